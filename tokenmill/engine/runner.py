@@ -1,0 +1,154 @@
+"""The model runner: SchedulerOutput (pure data) -> flat batch tensors -> forward ->
+sampled tokens. It reads only what the SchedulerOutput carries.
+
+Inputs are built with vector ops (numpy) over the whole batch; the only Python
+loops are per sequence. Per-request state that outlives a step (seeded generators)
+is kept here and dropped when the scheduler reports the request finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+import torch
+
+from tokenmill.engine.sampler import SamplingBatch, sample
+from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.model.attention import AttentionMetadata, PrefillSeq
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> [(position, token id, logprob, top)] for prompt tokens scored this step
+    prompt_logprobs: dict[str, list[tuple[int, int, TokenLogprobs]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache, block_size: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.vocab_size = model.cfg.vocab_size
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, rid: str, seed: int) -> torch.Generator:
+        gen = self._generators.get(rid)
+        if gen is None:
+            gen = torch.Generator().manual_seed(seed)
+            self._generators[rid] = gen
+        return gen
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for rid in out.finished_ids:
+            self._generators.pop(rid, None)
+        result = RunnerOutput()
+        sch = out.scheduled
+        if not sch:
+            return result
+        bs = self.block_size
+        S = len(sch)
+        lens = np.fromiter((len(s.token_ids) for s in sch), dtype=np.int64, count=S)
+        starts = np.fromiter((s.start for s in sch), dtype=np.int64, count=S)
+        T = int(lens.sum())
+        input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in sch), dtype=np.int64, count=T)
+        cu = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        seq_idx = np.repeat(np.arange(S), lens)
+        positions = np.arange(T) - cu[seq_idx] + starts[seq_idx]
+        max_blocks = max(len(s.block_ids) for s in sch)
+        bt = np.zeros((S, max_blocks), dtype=np.int64)
+        for i, s in enumerate(sch):
+            bt[i, :len(s.block_ids)] = s.block_ids
+        slot_mapping = bt[seq_idx, positions // bs] * bs + positions % bs
+        seq_lens = starts + lens
+
+        D = int(np.count_nonzero(lens == 1))
+        assert D == 0 or lens[:D].max() == 1, "decodes must come first"
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping), num_decodes=D)
+        if D:
+            Ld = int(seq_lens[:D].max())
+            grid = np.arange(Ld)
+            dslots = bt[:D, grid // bs] * bs + grid % bs
+            meta.decode_slots = torch.from_numpy(dslots)
+            meta.decode_mask = torch.from_numpy(grid[None, :] < seq_lens[:D, None]).view(1, D, 1, Ld)
+        for i in range(D, S):
+            ctx = int(starts[i])
+            slots = None
+            if ctx:
+                grid = np.arange(seq_lens[i])
+                slots = torch.from_numpy(bt[i, grid // bs] * bs + grid % bs)
+            meta.prefills.append(PrefillSeq(int(cu[i]), int(lens[i]), ctx, slots))
+
+        hidden = self.model.forward(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
+                                    self.kv_cache)
+
+        sample_rows = [i for i, s in enumerate(sch) if s.sample]
+        if sample_rows:
+            rows = torch.from_numpy(cu[1:][sample_rows] - 1)
+            logits = self.model.logits(hidden.index_select(0, rows))
+            batch = self._sampling_batch([sch[i] for i in sample_rows])
+            so = sample(logits, batch)
+            for j, i in enumerate(sample_rows):
+                s = sch[i]
+                result.sampled[s.request_id] = so.token_ids[j]
+                if s.params.logprobs is not None:
+                    k = s.params.logprobs
+                    top = list(zip(so.top_ids[j][:k], so.top_logprobs[j][:k])) if k else []
+                    result.logprobs[s.request_id] = TokenLogprobs(so.logprobs[j], top)
+        for i, s in enumerate(sch):
+            if s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) - 1:
+                result.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, hidden[cu[i]:cu[i + 1]])
+        return result
+
+    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor):
+        """Score prompt tokens start+1 .. start+len (the ones this chunk's rows predict)."""
+        prompt = s.prompt_token_ids
+        n = min(len(s.token_ids), len(prompt) - 1 - s.start)
+        logprobs = torch.log_softmax(self.model.logits(hidden[:n]), dim=-1)
+        targets = torch.tensor(prompt[s.start + 1:s.start + 1 + n], dtype=torch.int64)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        k = s.params.prompt_logprobs
+        top = torch.topk(logprobs, k, dim=-1) if k else None
+        out = []
+        for j in range(n):
+            tops = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []
+            out.append((s.start + 1 + j, int(targets[j]), TokenLogprobs(chosen[j], tops)))
+        return out
+
+    def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:
+        params = [s.params for s in rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        b = SamplingBatch(temperature=temps, all_greedy=all(p.temperature == 0.0 for p in params))
+        if not b.all_greedy:
+            if any(p.top_k > 0 for p in params):
+                b.top_k = torch.tensor([min(max(p.top_k, 0), self.vocab_size) for p in params], dtype=torch.int64)
+            if any(p.top_p < 1.0 for p in params):
+                b.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            if any(p.min_p > 0.0 for p in params):
+                b.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            if any(s.seed is not None for s in rows):
+                b.generators = [self._generator(s.request_id, s.seed) if s.seed is not None else None
+                                for s in rows]
+        if any(p.has_penalties for p in params):
+            b.presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+            b.frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+            b.repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+            b.output_ids = [s.output_token_ids for s in rows]
+            b.prompt_ids = [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in rows]
+        banned = [(j, s.banned_token_ids) for j, s in enumerate(rows) if s.banned_token_ids]
+        if banned:
+            b.banned = banned
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        if want:
+            b.num_logprobs = max(want)
+        return b

@@ -1,0 +1,130 @@
+"""Token selection over a batch of logits, vectorized across rows.
+
+Fixed order: stop-token masking (min_tokens) -> penalties -> temperature (fp32) ->
+top-k / top-p / min-p -> softmax -> sample. Greedy rows are taken by argmax and
+merged with `torch.where`; a batch that is all greedy skips the rest. Seeded rows
+draw from their own generator, so a seeded request's tokens do not depend on what
+else is in the batch. Logprobs are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] fp32; 0 = greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] int64; 0 = off
+    top_p: torch.Tensor | None = None  # [B] fp32; 1 = off
+    min_p: torch.Tensor | None = None  # [B] fp32; 0 = off
+    generators: list[torch.Generator | None] | None = None  # per row; None = shared RNG
+    # penalties (all None when no row has any)
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    output_ids: list[list[int]] | None = None
+    prompt_ids: list[list[int]] | None = None
+    # rows that may not stop yet: (row, stop token ids)
+    banned: list[tuple[int, list[int]]] | None = None
+    num_logprobs: int | None = None  # max top-k over rows that want logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # of each sampled token
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    B, V = logits.shape
+    counts = torch.zeros(B, V, dtype=torch.float32)
+    max_out = max((len(x) for x in b.output_ids), default=0)
+    if max_out:
+        ids = torch.full((B, max_out), V, dtype=torch.int64)  # V = a padding column
+        for i, x in enumerate(b.output_ids):
+            if x:
+                ids[i, :len(x)] = torch.tensor(x, dtype=torch.int64)
+        padded = torch.zeros(B, V + 1, dtype=torch.float32)
+        padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+        counts = padded[:, :V]
+    if b.repetition is not None and bool((b.repetition != 1.0).any()):
+        seen = counts > 0
+        for i, x in enumerate(b.prompt_ids):
+            if x:
+                seen[i, torch.tensor(x, dtype=torch.int64)] = True
+        rp = b.repetition.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalized, logits)
+    if b.frequency is not None:
+        logits = logits - b.frequency.unsqueeze(1) * counts
+    if b.presence is not None:
+        logits = logits - b.presence.unsqueeze(1) * (counts > 0).float()
+    return logits
+
+
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    neg_inf = torch.tensor(float("-inf"))
+    if b.top_k is not None:
+        k = b.top_k
+        max_k = int(k.max())
+        kth = torch.topk(logits, max_k, dim=-1).values  # [B, max_k]
+        idx = (k.clamp(min=1) - 1).unsqueeze(1)
+        thresh = kth.gather(1, idx)
+        thresh = torch.where((k > 0).unsqueeze(1), thresh, neg_inf)
+        logits = torch.where(logits < thresh, neg_inf, logits)
+    if b.top_p is not None:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        cum = probs.cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the top one always stays)
+        drop = (cum - probs) >= b.top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if b.min_p is not None:
+        probs = logits.softmax(-1)
+        thresh = probs.max(-1, keepdim=True).values * b.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    """logits [B, V] float32 -> one token per row (and logprobs when asked)."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs is not None else None
+    if b.banned:
+        logits = logits.clone()
+        for row, ids in b.banned:
+            logits[row, ids] = float("-inf")
+    if b.output_ids is not None:
+        logits = _apply_penalties(logits, b)
+    greedy_tokens = logits.argmax(dim=-1)
+    if b.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temp = b.temperature
+        is_greedy = temp == 0.0
+        scaled = logits / torch.where(is_greedy, torch.ones_like(temp), temp).unsqueeze(1)
+        scaled = _apply_top_k_top_p_min_p(scaled, b)
+        probs = scaled.softmax(dim=-1)
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
+        q = torch.empty_like(probs)
+        q.exponential_()
+        if b.generators is not None:
+            for row, gen in enumerate(b.generators):
+                if gen is not None:
+                    q[row].exponential_(generator=gen)
+        sampled = (probs / q).argmax(dim=-1)
+        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+    out = SamplerOutput(token_ids=tokens.tolist())
+    if raw_logprobs is not None:
+        out.logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        if b.num_logprobs > 0:
+            top = torch.topk(raw_logprobs, b.num_logprobs, dim=-1)
+            out.top_ids = top.indices.tolist()
+            out.top_logprobs = top.values.tolist()
+    return out

@@ -1,0 +1,297 @@
+"""The scheduler: pure Python over ints and request ids; it imports no torch.
+
+One rule, no phases: every request has `num_computed_tokens` catching up to its
+`num_tokens`; each step has one token budget. Running requests go first (decodes,
+then unfinished prefill chunks), then waiting ones in (priority, arrival) order.
+Chunked prefill, prefix-cache hits and resumption after preemption all fall out of
+that rule. When the KV pool runs dry, the lowest-priority, most recently admitted
+running request is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.engine.parallel import SampleGroups
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.kv.manager import KVCacheManager
+
+
+class AdmissionError(ValueError):
+    """A request that can never be served (too long for the context or the cache)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass
+class ScheduledRequest:
+    """What the runner needs to compute one request's chunk this step (pure data)."""
+    request_id: str
+    token_ids: list[int]  # tokens to compute now, at positions start..start+len-1
+    start: int
+    block_ids: list[int]
+    sample: bool  # the chunk ends at the request's last known token: sample the next one
+    params: SamplingParams
+    seed: int | None
+    output_token_ids: list[int]  # so far; for penalties (a reference, not a copy)
+    prompt_token_ids: list[int]
+    banned_token_ids: list[int]  # stop tokens masked while min_tokens is unmet
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
+    num_scheduled_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+
+
+class WaitingQueue:
+    """Requests ordered by (priority, arrival_seq): interactive before batch, FCFS within."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, int]] = []
+        self._reqs: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        key = (req.priority, req.arrival_seq)
+        i = bisect.bisect(self._keys, key)
+        self._keys.insert(i, key)
+        self._reqs.insert(i, req)
+
+    def remove(self, req: Request) -> None:
+        i = bisect.bisect_left(self._keys, (req.priority, req.arrival_seq))
+        assert self._reqs[i] is req
+        del self._keys[i]
+        del self._reqs[i]
+
+    def __iter__(self):
+        return iter(list(self._reqs))
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.groups = SampleGroups()
+        self._finished_ids: list[str] = []
+        self._arrivals = 0
+        self._admissions = 0
+        self.num_preemptions = 0
+
+    # -- admission ----------------------------------------------------------------------
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        limit = self.config.max_model_len
+        if num_prompt_tokens + max_tokens > limit:
+            raise AdmissionError(
+                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens} prompt "
+                f"tokens + {max_tokens} max_tokens = {num_prompt_tokens + max_tokens} were requested",
+                param="max_tokens")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if num_prompt_tokens + max_tokens > capacity:
+            raise AdmissionError(
+                f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed the whole KV cache "
+                f"({capacity} tokens); raise the cache size or lower max_tokens", param="max_tokens")
+
+    def add_requests(self, reqs: list[Request]) -> None:
+        """Add one user request's samples (n of them). Check admissibility first."""
+        for req in reqs:
+            self.check_admissible(req.num_prompt_tokens, req.max_tokens)
+        for req in reqs:
+            assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+            req.arrival_seq = self._arrivals
+            self._arrivals += 1
+            req.status = RequestStatus.WAITING
+            self.requests[req.request_id] = req
+            self.waiting.add(req)
+        self.groups.register(reqs)
+
+    # -- the step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = time.monotonic()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        chosen: dict[str, tuple[Request, int]] = {}
+
+        # Running requests: decodes first, then unfinished prefill chunks.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + chunks:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = max(self.running, key=lambda r: (r.priority, r.admit_seq))
+                if victim.request_id in chosen:
+                    budget += chosen.pop(victim.request_id)[1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                chosen[req.request_id] = (req, num_new)
+                budget -= num_new
+
+        # Waiting requests, if nothing had to be preempted to make room this step.
+        if not out.preempted_ids:
+            for req in self.waiting:
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                if not self._admit(req, budget, chosen, now):
+                    if self.groups.gate(req).ready:
+                        break  # no room for the head of the queue: don't let others jump it
+                    continue
+                budget -= chosen[req.request_id][1]
+
+        # Decodes first in the flat batch; then prefill chunks.
+        for req, num_new in sorted(chosen.values(), key=lambda x: x[1] > 1):
+            start = req.num_computed_tokens
+            end = start + num_new
+            sp = req.params
+            out.scheduled.append(ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=req.token_slice(start, end),
+                start=start,
+                block_ids=self.kv.blocks_of(req.request_id),
+                sample=end == req.num_tokens,
+                params=sp,
+                seed=None if sp.seed is None else sp.seed + req.index,
+                output_token_ids=req.output_token_ids,
+                prompt_token_ids=req.prompt_token_ids,
+                banned_token_ids=(list(req.eos_token_ids) + sp.stop_token_ids
+                                  if req.num_output_tokens < sp.min_tokens else []),
+            ))
+            out.num_scheduled_tokens += num_new
+        return out
+
+    def _admit(self, req: Request, budget: int, chosen: dict[str, tuple[Request, int]], now: float) -> bool:
+        gate = self.groups.gate(req)
+        if not gate.ready:
+            return False
+        computed: list[int] = []
+        if gate.fork_from is not None:
+            n_share = (gate.fork_from.num_prompt_tokens - 1) // self.kv.block_size
+            self.kv.fork(gate.fork_from, req, n_share)
+            req.num_computed_tokens = n_share * self.kv.block_size
+        elif req.num_computed_tokens == 0:
+            computed, _ = self.kv.get_computed_blocks(
+                req, use_cache=req.params.prompt_logprobs is None)
+        num_new = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size, budget)
+        if self.kv.allocate_slots(req, num_new, computed) is None:
+            if gate.fork_from is not None:
+                self.kv.free(req, finished=False)
+                req.num_computed_tokens = 0
+            return False
+        if computed:
+            req.num_computed_tokens = len(computed) * self.kv.block_size
+        if req.times.first_scheduled is None:
+            req.times.first_scheduled = now
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+            if gate.fork_from is None and self.kv.enable_caching:
+                self.kv.record_query(req.num_tokens, req.num_cached_tokens)
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        req.admit_seq = self._admissions
+        self._admissions += 1
+        self.running.append(req)
+        chosen[req.request_id] = (req, num_new)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req, finished=False)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counters, append sampled tokens, apply token-level stops.
+        Returns the requests that produced a token this step."""
+        now = time.monotonic()
+        produced = []
+        for sr in out.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += len(sr.token_ids)
+            self.kv.cache_blocks(req)
+            if not sr.sample:
+                continue
+            tok = sampled[sr.request_id]
+            req.output_token_ids.append(tok)
+            if req.times.first_token is None:
+                req.times.first_token = now
+            req.times.tokens.append(now)
+            produced.append(req)
+            status = self._stop_status(req, tok)
+            if status is not None:
+                self.finish(req.request_id, status)
+        return produced
+
+    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
+        sp = req.params
+        if req.num_output_tokens >= sp.min_tokens:
+            if tok in req.eos_token_ids and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- finishing ----------------------------------------------------------------------
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (stop, length or abort) a request now and free its blocks at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req, finished=True)
+        self.groups.remove(req)
+        req.status = status
+        req.times.finished = time.monotonic()
+        self._finished_ids.append(request_id)
+        return req
+
+    # -- introspection ------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)

@@ -1,0 +1,76 @@
+"""Paged attention on CPU over a flat, unpadded batch.
+
+The flat batch holds decode tokens first (one per sequence), then prefill chunks.
+Every sequence reads its keys and values through slot indices derived from its
+block table, so prefill with cached context, chunked prefill and decode all use
+the same cache. The runner builds the metadata once per step; all layers share it.
+
+Cache layout per layer: k, v each [kv_heads, num_slots, head_dim], where
+slot = block_id * block_size + offset. Keeping heads outermost makes the gather of
+one sequence's context a contiguous [kv_heads, L, head_dim] block per head, ready
+for a batched matmul with no per-query-head copy (GQA folds the query group into
+the query-length axis instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    start: int  # offset of the chunk's first token in the flat batch
+    query_len: int
+    context_len: int  # tokens already in the cache before this chunk
+    slots: torch.Tensor | None  # [context_len + query_len] slots; None when context_len == 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    num_decodes: int  # the first num_decodes tokens are single-token decodes
+    decode_slots: torch.Tensor | None = None  # [D, L] context slots, padded
+    decode_mask: torch.Tensor | None = None  # [1, D, 1, L] True where a key is visible
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, d], k/v [T, Hkv, d] (new tokens) -> [T, H*d]. Writes k/v into the cache."""
+    T, H, d = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    out = torch.empty(T, H * d, dtype=q.dtype)
+    D = meta.num_decodes
+    if D:
+        L = meta.decode_slots.shape[1]
+        idx = meta.decode_slots.reshape(-1)
+        kd = k_cache.index_select(1, idx).view(Hkv, D, L, d)
+        vd = v_cache.index_select(1, idx).view(Hkv, D, L, d)
+        # The query group of each kv head rides on the query-length axis: [Hkv, D, g, d].
+        qd = q[:D].view(D, Hkv, g, d).transpose(0, 1)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:D] = od.transpose(0, 1).reshape(D, H * d)
+    for p in meta.prefills:
+        s, n = p.start, p.query_len
+        qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if p.context_len == 0:
+            kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
+            vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=g > 1)
+        else:
+            L = p.context_len + n
+            kp = k_cache.index_select(1, p.slots).unsqueeze(0)  # [1, Hkv, L, d]
+            vp = v_cache.index_select(1, p.slots).unsqueeze(0)
+            # query i sits at position context_len + i and sees keys 0..context_len + i
+            qpos = torch.arange(p.context_len, L).unsqueeze(1)
+            mask = torch.arange(L).unsqueeze(0) <= qpos
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+        out[s:s + n] = o[0].transpose(0, 1).reshape(n, H * d)
+    return out

@@ -1,0 +1,179 @@
+"""Read a GGUF file: metadata, tensors, dequantization, and llama.cpp's name layout.
+
+Tensors are dequantized with gguf-py's reference routines (the same ones transformers
+uses), so our float weights are bit-identical to the reference model's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.model.config import ModelConfig, ModelLoadError
+
+try:
+    import gguf
+except ImportError as exc:  # pragma: no cover - gguf is a pinned dependency
+    raise ImportError("the 'gguf' package is required: pip install gguf") from exc
+
+Q = gguf.GGMLQuantizationType
+# Quantization types we dequantize; others get a clear error naming the tensor and type.
+SUPPORTED_QTYPES = {
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+}
+
+# llama.cpp tensor names -> Hugging Face Llama names (the names our model uses).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensors llama.cpp writes that carry no weights we need (rope_freqs is handled apart).
+_IGNORED = {"rope_freqs.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row interleave (it pairs rotary halves for its RoPE kernel)."""
+    rows = w.shape[0]
+    head_dim = rows // n_head
+    return (
+        w.reshape(n_head, head_dim // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+class GGUFFile:
+    """An open GGUF file: metadata as plain Python values, tensors on demand."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise ModelLoadError(f"model file not found: {self.path}")
+        if os.path.isdir(self.path):
+            raise ModelLoadError(f"expected a .gguf file, got a directory: {self.path}")
+        try:
+            self.reader = gguf.GGUFReader(self.path, "r")
+        except Exception as exc:  # gguf raises ValueError, struct.error, IndexError... on bad files
+            raise ModelLoadError(
+                f"{self.path} is not a readable GGUF file (corrupt or truncated: {type(exc).__name__}: {exc})"
+            ) from None
+        self.metadata: dict[str, Any] = {}
+        for key, fld in self.reader.fields.items():
+            try:
+                self.metadata[key] = fld.contents()
+            except Exception:
+                continue
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self._check_tensor_extents()
+
+    def _check_tensor_extents(self) -> None:
+        # A truncated file can still parse its header; make sure every tensor's bytes exist.
+        size = os.path.getsize(self.path)
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise ModelLoadError(
+                    f"{self.path} is truncated: tensor {t.name!r} extends past the end of the file"
+                )
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def model_config(self) -> ModelConfig:
+        name = display_name(self.path)
+        return ModelConfig.from_gguf_metadata(
+            self.metadata, name=name, has_output_tensor="output.weight" in self.tensors
+        )
+
+    def qtype(self, name: str) -> Q:
+        return Q(self.tensors[name].tensor_type)
+
+    def check_supported(self) -> None:
+        for t in self.reader.tensors:
+            if t.name in _IGNORED:
+                continue
+            qt = Q(t.tensor_type)
+            if qt not in SUPPORTED_QTYPES:
+                raise ModelLoadError(
+                    f"unsupported GGUF quantization type {qt.name} (tensor {t.name!r}); "
+                    f"supported: {', '.join(sorted(q.name for q in SUPPORTED_QTYPES))}"
+                )
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """One tensor as float32 numpy, shaped [out, in] (row-major, as PyTorch stores it)."""
+        t = self.tensors[name]
+        qt = Q(t.tensor_type)
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if qt == Q.F32:
+            arr = np.asarray(t.data, dtype=np.float32)
+        elif qt == Q.F16:
+            arr = np.asarray(t.data, dtype=np.float16).astype(np.float32)
+        else:
+            arr = gguf.quants.dequantize(t.data, qt)
+        return arr.reshape(shape)
+
+    def raw_blocks(self, name: str) -> np.ndarray:
+        """The packed bytes of a quantized tensor, [rows, bytes_per_row] uint8."""
+        return np.asarray(self.tensors[name].data)
+
+    def iter_state_dict(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, float32 tensor) for every weight, with Q/K un-permuted for llama-arch files."""
+        self.check_supported()
+        permute = cfg.architecture in ("llama", "mistral")
+        for gname in self.tensors:
+            if gname in _IGNORED:
+                continue
+            name = hf_name(gname)
+            if name is None:
+                raise ModelLoadError(f"unexpected tensor {gname!r} in GGUF file for architecture {cfg.architecture}")
+            w = self.dequantize(gname)
+            if permute and gname.endswith(("attn_q.weight", "attn_q.bias")):
+                w = _reverse_permute(w, cfg.num_heads)
+            elif permute and gname.endswith(("attn_k.weight", "attn_k.bias")):
+                w = _reverse_permute(w, cfg.num_kv_heads)
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+    def rope_freqs(self) -> torch.Tensor | None:
+        """Llama 3.1-style per-frequency rope divisors, when the file stores them."""
+        if "rope_freqs.weight" not in self.tensors:
+            return None
+        return torch.from_numpy(self.dequantize("rope_freqs.weight").copy())
+
+
+def display_name(path: str) -> str:
+    """The served model id: the file's stem without its quantization suffix."""
+    stem = os.path.basename(path)
+    if stem.lower().endswith(".gguf"):
+        stem = stem[:-5]
+    return re.sub(r"[.-](?:[QqFfIi][QqFf]?\d[\w]*|BF16|bf16)$", "", stem) or stem

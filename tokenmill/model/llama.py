@@ -1,0 +1,143 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a flat batch.
+
+Plain objects rather than nn.Modules: the step path calls a few hundred small
+functions per forward, and module dispatch overhead is measurable on two cores.
+Q/K/V and gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.attention import AttentionMetadata, paged_attention
+from tokenmill.model.config import ModelConfig
+
+
+class DenseLinear:
+    """y = x W^T + b with the weight kept in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LlamaLayer:
+    def __init__(self, input_norm: torch.Tensor, qkv: Linear, o_proj: Linear,
+                 post_norm: torch.Tensor, gate_up: Linear, down: Linear):
+        self.input_norm = input_norm
+        self.qkv = qkv
+        self.o_proj = o_proj
+        self.post_norm = post_norm
+        self.gate_up = gate_up
+        self.down = down
+
+
+def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if rope_freqs is not None:
+        inv = inv / rope_freqs.float()
+    elif kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LlamaLayer],
+                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype,
+                 rope_freqs: torch.Tensor | None = None):
+        self.cfg = cfg
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = dtype
+        self.scale = cfg.head_dim ** -0.5
+        inv = rope_inv_freq(cfg, rope_freqs)
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
+        self.cos = freqs.cos().to(dtype)  # [max_pos, d/2]
+        self.sin = freqs.sin().to(dtype)
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+        # Match the reference: normalize in fp32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden].
+
+        `kv_cache.layer(i)` gives layer i's (k, v) cache tensors [kv_heads, slots, head_dim].
+        """
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.input_norm)
+            qkv = layer.qkv(x)
+            qk = self._rope(qkv[:, : (H + Hkv) * d].view(T, H + Hkv, d), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
+            k_cache, v_cache = kv_cache.layer(i)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + layer.o_proj(attn)
+            x = self._rms_norm(h, layer.post_norm)
+            gu = layer.gate_up(x)
+            g, u = gu.chunk(2, dim=-1)
+            h = h + layer.down(F.silu(g) * u)
+        return self._rms_norm(h, self.norm)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights read by one decode step (embedding rows excluded)."""
+        total = self.norm.nbytes + getattr(self.lm_head, "nbytes", 0)
+        for layer in self.layers:
+            total += layer.input_norm.nbytes + layer.post_norm.nbytes
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                total += getattr(lin, "nbytes", 0)
+        return total

