@@ -133,9 +133,9 @@ class ModelConfig:
             ffn = int(get("feed_forward_length"))
         except TypeError as exc:
             raise ModelLoadError(f"GGUF metadata lacks a required {arch}.* hyperparameter") from exc
-        vocab = get("vocab_size")
-        if vocab is None:
-            vocab = md.get("tokenizer.ggml.tokens_count")
+        vocab = get("vocab_size") or len(md.get("tokenizer.ggml.tokens") or ())
+        if not vocab:
+            raise ModelLoadError("GGUF metadata gives no vocabulary size and no token list")
         head_dim = int(get("rope.dimension_count") or hidden // heads)
         scaling = None
         scaling_type = get("rope.scaling.type")

@@ -1,0 +1,40 @@
+"""Shared fixtures: the embedded model and its transformers reference, loaded once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+
+@pytest.fixture(scope="session")
+def embedded_path() -> str:
+    from tokenmill.model.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smol(embedded_path):
+    from tokenmill.model.loader import load_model
+
+    return load_model(embedded_path, "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smol(embedded_path):
+    transformers = pytest.importorskip("transformers")
+    d, f = os.path.split(embedded_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(embedded_path):
+    transformers = pytest.importorskip("transformers")
+    d, f = os.path.split(embedded_path)
+    return transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
