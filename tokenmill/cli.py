@@ -145,6 +145,11 @@ def chat(
     asyncio.run(run())
 
 
+from tokenmill.cost.cli import cost_app  # noqa: E402  (light: typer and the stdlib only)
+
+app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, cost self-hosting.")
+
+
 def main() -> None:  # pragma: no cover
     app()
 
