@@ -51,6 +51,49 @@ def _load(model: Optional[str], dtype: str):
 
 
 @app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    dtype: str = typer.Option("float32", "--dtype", help=DTYPE_HELP),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="Model id to serve (default: the model's name)."),
+    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb",
+                                                help="KV cache size (default: 1/4 of free memory, max 2 GiB)."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Most sequences in one step."),
+    max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="Token budget per step."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context window (default: model's)."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching"),
+    num_threads: Optional[int] = typer.Option(None, "--num-threads", help="Torch threads (default: all cores)."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
+                                           help="Seconds in-flight requests get to finish on SIGTERM."),
+    log_level: str = typer.Option("info", "--log-level"),
+) -> None:
+    """Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."""
+    import logging
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.app import ServerConfig, build_app
+    from tokenmill.server.launch import run_server
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config(model, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
+                           block_size, prefix_caching, num_threads)
+    loaded = _load(model, dtype)
+    if loaded.tokenizer is None:
+        _fail("this model has no tokenizer; the server needs one")
+    try:
+        engine = AsyncEngine(loaded, config)
+    except ValueError as exc:
+        _fail(str(exc))
+    server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name,
+                                 shutdown_timeout_s=shutdown_timeout)
+    app_ = build_app(engine, server_config)
+    run_server(app_, host, port, shutdown_timeout, log_level.lower())
+
+
+@app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Most tokens to generate."),

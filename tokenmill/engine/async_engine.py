@@ -127,6 +127,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(request_id)
 
+    def abort_all(self) -> None:
+        for rid in list(self._queues):
+            self.abort(rid)
+
     def _submit(self, cmd: _Add | str) -> None:
         with self._wake:
             self._cmds.append(cmd)

@@ -1,0 +1,79 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure a client can cause maps to a 4xx here; a 500 means a bug in tokenmill.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("tokenmill.server")
+
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+    413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    500: "server_error", 503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+        self.type = type_ or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def sse(self) -> str:
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """The top-level field at fault (pydantic's loc also names union members and indexes)."""
+    parts = [str(p) for p in loc if p != "body"]
+    return parts[0] if parts else None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return APIError(400, "the request body is not valid JSON").response()
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "missing":
+            msg = f"missing required parameter: {param!r}"
+        elif param:
+            msg = f"invalid value for {param!r}: {msg}"
+        return APIError(400, msg, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error (a tokenmill bug)")
+        return APIError(500, "internal server error").response()

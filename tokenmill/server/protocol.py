@@ -1,0 +1,138 @@
+"""OpenAI request bodies as pydantic models, and their translation to SamplingParams.
+
+Types are checked here (a wrong type is a 400 naming the field); value ranges are
+checked once, by SamplingParams, so the engine and the HTTP API agree on them.
+Unknown fields are ignored, as OpenAI-compatible servers commonly do, so newer SDKs
+keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[StrictStr, list[ContentPart], None] = None
+    name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"unsupported content part type {part.type!r}; this model reads text only")
+                texts.append(part.text)
+            content = "".join(texts)
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls is not None:
+            msg["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
+
+class _SamplingFields(_Body):
+    model: StrictStr
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # extensions (vLLM-compatible names)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    cache_salt: StrictStr | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    priority: Literal["interactive", "batch"] | None = None
+
+    def common_params(self) -> dict[str, Any]:
+        return dict(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: StrictBool = True
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = None
+        if self.logprobs:
+            logprobs = self.top_logprobs or 0
+        elif self.top_logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
+        renames = {"logprobs": "top_logprobs",
+                   "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.common_params())
+        except InvalidParameter as exc:  # name the field as the client spelled it
+            param = renames.get(exc.param, exc.param)
+            raise InvalidParameter(param, str(exc).replace(exc.param, param, 1)) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[StrictStr, list[StrictStr], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens, logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if (self.echo and self.logprobs is not None) else None,
+            **self.common_params())

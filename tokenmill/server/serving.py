@@ -1,0 +1,198 @@
+"""The serving layer shared by chat and completions: protocol -> engine -> responses.
+
+Routes stay thin; this turns a validated body into token ids and SamplingParams,
+runs it on the engine client, and turns engine outputs back into OpenAI JSON or
+SSE chunks. A client that goes away aborts its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.engine.output import RequestOutput, TokenLogprob
+from tokenmill.engine.request import Priority
+from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
+from tokenmill.engine.scheduler import AdmissionError
+from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.server.errors import APIError
+from tokenmill.server.metrics import Metrics
+
+
+@dataclass
+class RequestContext:
+    """Who is asking and under what terms (filled by the app before serving)."""
+    request_id: str  # our id, unique: the engine's key and the response's `id`
+    tenant: str | None = None
+    priority: int = Priority.INTERACTIVE
+    usage_hooks: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class BaseServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+
+    # -- request side -------------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def make_params(build: Callable[[], SamplingParams]) -> SamplingParams:
+        try:
+            return build()
+        except InvalidParameter as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams, param: str) -> None:
+        try:
+            self.engine.check_request(num_prompt_tokens, params)
+        except InvalidParameter as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        except AdmissionError as exc:
+            raise APIError(400, str(exc), param=exc.param or param, code="context_length_exceeded") from None
+
+    def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: SamplingParams,
+                 cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(sub_id, ids, params, priority=ctx.priority, cache_salt=cache_salt,
+                                    tenant=ctx.tenant)
+
+    # -- output side --------------------------------------------------------------------
+    def record(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.metrics.observe_finished(out)
+
+    @staticmethod
+    def usage(prompt_tokens: int, cached: int, completion_tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def finish_usage(self, ctx: RequestContext, usage: dict[str, Any]) -> dict[str, Any]:
+        for hook in ctx.usage_hooks:  # pricing, quotas: they may add fields (usage.cost)
+            hook(usage)
+        return usage
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.tokenizer.token_bytes(token_id))
+
+
+async def run_until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (and so aborting its engine request) if the client
+    disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise APIError(499, "client disconnected")
+    finally:
+        watcher.cancel()
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output), as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as exc:  # deliver failures to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def streaming_response(chunks: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **(headers or {})})
+
+
+async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once a stream has started, a failure can only be reported in-band."""
+    try:
+        async for c in chunks:
+            yield c
+    except APIError as exc:
+        yield exc.sse()
+    except EngineDeadError as exc:
+        yield APIError(503, str(exc)).sse()
+    yield "data: [DONE]\n\n"
+
+
+def json_response(body: dict[str, Any]) -> JSONResponse:
+    return JSONResponse(body)
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,145 @@
+"""POST /v1/completions (the legacy text API: prompt in, text out, echo, logprobs)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import Response
+
+from tokenmill.engine.output import RequestOutput, TokenLogprob
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.serving import (BaseServing, Choice, RequestContext, json_response, merge_streams, now,
+                                      run_until_disconnected, sse, sse_with_errors, streaming_response)
+
+
+class ServingCompletion(BaseServing):
+    def _prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
+        """(text, ids) for each prompt the body holds."""
+        if isinstance(prompt, str):
+            return [(prompt, self.tokenizer.encode(prompt))]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], str):
+            return [(p, self.tokenizer.encode(p)) for p in prompt]
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for ids in prompt:
+            if not ids:
+                raise APIError(400, "a token-id prompt must not be empty", param="prompt")
+            out.append((self.tokenizer.decode(ids, skip_special_tokens=False), list(ids)))
+        return out
+
+    async def create(self, body: CompletionRequest, raw: Request, ctx: RequestContext) -> Response:
+        self.check_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported by this model", param="suffix")
+        params = self.make_params(body.sampling_params)
+        prompts = self._prompts(body.prompt)
+        vocab = self.engine.model_config.vocab_size
+        for _, ids in prompts:
+            if not ids:
+                raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            self.check_fits(len(ids), params, "prompt")
+        streams = [self.generate(ctx, ctx.request_id if len(prompts) == 1 else f"{ctx.request_id}-{p}", ids,
+                                 params, body.cache_salt)
+                   for p, (_, ids) in enumerate(prompts)]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return streaming_response(sse_with_errors(self._stream(body, ctx, prompts, streams, include_usage)))
+        return json_response(await run_until_disconnected(raw, self._full(body, ctx, prompts, streams)))
+
+    # -- logprobs in the legacy shape ---------------------------------------------------
+    def _logprobs(self, lps: list[TokenLogprob], start_offset: int) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = start_offset
+        for lp in lps:
+            s = self.token_str(lp.token_id)
+            tokens.append(s)
+            token_lps.append(lp.logprob)
+            tops.append({self.token_str(t): v for t, v in lp.top} if lp.top else None)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _echo_logprobs(out: RequestOutput, ids: list[int]) -> list[TokenLogprob]:
+        """Prompt tokens' logprobs; the first token has none (null, as OpenAI sends it)."""
+        plp = out.prompt_logprobs or []
+        return [TokenLogprob(ids[0], None, [])] + [lp for lp in plp[1:] if lp is not None]  # type: ignore[arg-type]
+
+    async def _full(self, body: CompletionRequest, ctx: RequestContext, prompts, streams) -> dict:
+        n = body.n
+        choices = {p * n + i: Choice(p * n + i) for p in range(len(prompts)) for i in range(n)}
+        lps: dict[int, list] = {k: [] for k in choices}
+        cached = 0
+        async for p, out in merge_streams(streams):
+            self.record(out)
+            c = choices[p * n + out.index]
+            if not c.text and not c.token_ids and body.echo:
+                c.text = prompts[p][0]
+                if body.logprobs is not None:
+                    lps[c.index] = self._echo_logprobs(out, prompts[p][1])
+            c.text += out.text
+            c.token_ids += out.new_token_ids
+            if out.logprobs:
+                lps[c.index] += out.logprobs
+            c.num_output_tokens = out.num_output_tokens
+            if out.index == 0:
+                cached += out.num_cached_tokens
+            if out.finished:
+                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
+        return {
+            "id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.model_name,
+            "choices": [{
+                "index": c.index, "text": c.text,
+                "logprobs": self._logprobs(lps[c.index], 0) if body.logprobs is not None else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            } for c in choices.values()],
+            "usage": self.finish_usage(ctx, usage),
+            "system_fingerprint": None,
+        }
+
+    async def _stream(self, body: CompletionRequest, ctx: RequestContext, prompts, streams,
+                      include_usage: bool) -> AsyncIterator[str]:
+        n = body.n
+        base = {"id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.model_name}
+        if include_usage:
+            base["usage"] = None
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        outputs: dict[int, int] = {}
+        cached = 0
+        async for p, out in merge_streams(streams):
+            self.record(out)
+            index = p * n + out.index
+            text = out.text
+            lps: list = list(out.logprobs or [])
+            if index not in started:
+                started.add(index)
+                if body.echo:
+                    text = prompts[p][0] + text
+                    if body.logprobs is not None:
+                        lps = self._echo_logprobs(out, prompts[p][1]) + lps
+            outputs[index] = out.num_output_tokens
+            if out.index == 0:
+                cached += out.num_cached_tokens
+            if text or out.finished or lps:
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._logprobs(lps, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(text)
+                yield sse({**base, "choices": [{
+                    "index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": out.finish_reason if out.finished else None}]})
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs.values())))
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage})
