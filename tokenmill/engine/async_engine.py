@@ -101,7 +101,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
                        tenant: str | None = None, arrival_time: float | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         if not self.running:
             raise EngineDeadError("the engine is not running")
         self.check_request(len(prompt_token_ids), params)
@@ -109,7 +109,7 @@ class AsyncEngine:
         self._queues[request_id] = queue
         self._submit(_Add(request_id, prompt_token_ids, params,
                           dict(priority=priority, cache_salt=cache_salt, tenant=tenant,
-                               arrival_time=arrival_time)))
+                               arrival_time=arrival_time, deadline=deadline)))
         remaining = params.n
         try:
             while remaining:

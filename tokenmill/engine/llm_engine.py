@@ -11,6 +11,7 @@ ids only; chat templates and tokenization of prompts stay with the caller.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ log = logging.getLogger("tokenmill.engine")
 class EngineStats:
     num_running: int
     num_waiting: int
+    num_waiting_interactive: int
+    num_waiting_batch: int
     kv_blocks_used: int
     kv_blocks_total: int
     prefix_queries: int
@@ -74,6 +77,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
         self._groups: dict[str, list[str]] = {}  # user request id -> its samples' ids
+        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, user request id)
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.steps = 0
@@ -97,9 +101,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
-                    tenant: str | None = None, arrival_time: float | None = None) -> None:
+                    tenant: str | None = None, arrival_time: float | None = None,
+                    deadline: float | None = None) -> None:
         """Queue a request (n samples). Raises InvalidParameter / AdmissionError, having
-        scheduled nothing, when it can never be served."""
+        scheduled nothing, when it can never be served. Past `deadline` (time.monotonic)
+        the request is aborted and its blocks freed: its answer can no longer be useful."""
         if request_id in self._groups:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
@@ -121,13 +127,16 @@ class LLMEngine:
         for r in reqs:
             self.outputs.add(r)
         self._groups[request_id] = [r.request_id for r in reqs]
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, request_id))
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
+    def abort(self, request_id: str, reason: str | None = None) -> list[RequestOutput]:
         """Abort every sample of a user request now; its blocks are freed at once."""
         outs = []
         for rid in self._groups.pop(request_id, []):
             req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
+                req.stop_reason = reason
                 out = self.outputs.finished_output(req)
                 if out is not None:
                     outs.append(out)
@@ -137,10 +146,19 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step -----------------------------------------------------------------------
+    def _expire(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            outs += self.abort(rid, reason="deadline")
+        return outs
+
     def step(self) -> list[RequestOutput]:
+        expired = self._expire() if self._deadlines else []
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            return expired
         result = self.runner.execute(out)
         produced = self.scheduler.update(out, result.sampled)
         self.steps += 1
@@ -153,7 +171,7 @@ class LLMEngine:
         for o in outputs:
             if o.finished:
                 self._forget(o)
-        return outputs
+        return expired + outputs
 
     def _forget(self, out: RequestOutput) -> None:
         ids = self._groups.get(out.request_id)
@@ -164,6 +182,8 @@ class LLMEngine:
         st = self.kv.stats
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_waiting_interactive=self.scheduler.waiting.count(Priority.INTERACTIVE),
+            num_waiting_batch=self.scheduler.waiting.count(Priority.BATCH),
             kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
             prefix_queries=st.queries, prefix_hits=st.hits,
             num_preemptions=self.scheduler.num_preemptions,

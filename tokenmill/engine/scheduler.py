@@ -63,29 +63,51 @@ class SchedulerOutput:
 
 
 class WaitingQueue:
-    """Requests ordered by (priority, arrival_seq): interactive before batch, FCFS within."""
+    """Waiting requests: interactive before batch; within a class, tenants take turns
+    (the next pick goes to the tenant with the fewest running requests, then the
+    earliest arrival), so one tenant's flood cannot starve another; FCFS within a tenant.
+    A preempted request returns to its arrival position."""
 
     def __init__(self) -> None:
-        self._keys: list[tuple[int, int]] = []
-        self._reqs: list[Request] = []
+        self._queues: dict[tuple[int, str | None], list[Request]] = {}
+        self._len = 0
 
     def add(self, req: Request) -> None:
-        key = (req.priority, req.arrival_seq)
-        i = bisect.bisect(self._keys, key)
-        self._keys.insert(i, key)
-        self._reqs.insert(i, req)
+        q = self._queues.setdefault((req.priority, req.tenant), [])
+        keys = [r.arrival_seq for r in q]
+        q.insert(bisect.bisect(keys, req.arrival_seq), req)
+        self._len += 1
 
     def remove(self, req: Request) -> None:
-        i = bisect.bisect_left(self._keys, (req.priority, req.arrival_seq))
-        assert self._reqs[i] is req
-        del self._keys[i]
-        del self._reqs[i]
+        key = (req.priority, req.tenant)
+        q = self._queues[key]
+        q.remove(req)
+        if not q:
+            del self._queues[key]
+        self._len -= 1
+
+    def iter_fair(self, running_per_tenant: dict[str | None, int]):
+        """Requests in the order they should be considered for admission (a snapshot)."""
+        for prio in sorted({p for p, _ in self._queues}):
+            lanes = {t: list(q) for (p, t), q in self._queues.items() if p == prio}
+            pos = dict.fromkeys(lanes, 0)
+            load = {t: running_per_tenant.get(t, 0) for t in lanes}
+            while lanes:
+                t = min(lanes, key=lambda x: (load[x], lanes[x][pos[x]].arrival_seq))
+                yield lanes[t][pos[t]]
+                pos[t] += 1
+                load[t] += 1
+                if pos[t] == len(lanes[t]):
+                    del lanes[t]
+
+    def count(self, priority: int) -> int:
+        return sum(len(q) for (p, _), q in self._queues.items() if p == priority)
 
     def __iter__(self):
-        return iter(list(self._reqs))
+        return self.iter_fair({})
 
     def __len__(self) -> int:
-        return len(self._reqs)
+        return self._len
 
 
 class Scheduler:
@@ -138,7 +160,8 @@ class Scheduler:
 
         # Running requests: decodes first, then unfinished prefill chunks.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        chunks = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
+                        key=lambda r: r.priority)  # interactive chunks before batch ones
         for req in decodes + chunks:
             if budget <= 0:
                 break
@@ -159,14 +182,27 @@ class Scheduler:
 
         # Waiting requests, if nothing had to be preempted to make room this step.
         if not out.preempted_ids:
-            for req in self.waiting:
-                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            per_tenant: dict[str | None, int] = {}
+            for r in self.running:
+                per_tenant[r.tenant] = per_tenant.get(r.tenant, 0) + 1
+            for req in self.waiting.iter_fair(per_tenant):
+                if budget <= 0:
                     break
+                if len(self.running) >= self.config.max_num_seqs:
+                    victim = self._slot_victim(req, per_tenant)
+                    if victim is None:
+                        break
+                    if victim.request_id in chosen:
+                        budget += chosen.pop(victim.request_id)[1]
+                    self._preempt(victim)
+                    per_tenant[victim.tenant] -= 1
+                    out.preempted_ids.append(victim.request_id)
                 if not self._admit(req, budget, chosen, now):
                     if self.groups.gate(req).ready:
                         break  # no room for the head of the queue: don't let others jump it
                     continue
                 budget -= chosen[req.request_id][1]
+                per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
 
         # Decodes first in the flat batch; then prefill chunks.
         for req, num_new in sorted(chosen.values(), key=lambda x: x[1] > 1):
@@ -188,6 +224,23 @@ class Scheduler:
             ))
             out.num_scheduled_tokens += num_new
         return out
+
+    def _slot_victim(self, req: Request, per_tenant: dict[str | None, int]) -> Request | None:
+        """When every sequence slot is taken: a running request that should yield its slot
+        to `req`, so batch never blocks interactive and a flooding tenant never starves
+        another. The victim is the newest request of the lowest class, from the tenant
+        holding the most slots; None if no one should yield."""
+        mine = per_tenant.get(req.tenant, 0)
+
+        def yields(r: Request) -> bool:
+            if r.priority != req.priority:
+                return r.priority > req.priority
+            return r.tenant != req.tenant and per_tenant.get(r.tenant, 0) > mine + 1
+
+        candidates = [r for r in self.running if yields(r)]
+        if not candidates or not self.groups.gate(req).ready:
+            return None
+        return max(candidates, key=lambda r: (r.priority, per_tenant.get(r.tenant, 0), r.admit_seq))
 
     def _admit(self, req: Request, budget: int, chosen: dict[str, tuple[Request, int]], now: float) -> bool:
         gate = self.groups.gate(req)
