@@ -68,16 +68,56 @@ def serve(
     num_threads: Optional[int] = typer.Option(None, "--num-threads", help="Torch threads (default: all cores)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
                                            help="Seconds in-flight requests get to finish on SIGTERM."),
+    keys_db: Optional[str] = typer.Option(None, "--keys-db", help="Enforce API keys from this SQLite file."),
+    allow_open: bool = typer.Option(False, "--allow-open",
+                                    help="Allow a non-loopback --host without API keys (anyone can use it)."),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens",
+                                                    help="Default per-request prompt cap."),
+    max_output_tokens: Optional[int] = typer.Option(None, "--max-output-tokens",
+                                                    help="Default per-request output cap (ends with 'length')."),
+    max_work_tokens: Optional[int] = typer.Option(None, "--max-work-tokens",
+                                                  help="Default per-request cap on prompt + output tokens."),
+    max_waiting: int = typer.Option(256, "--max-waiting", help="Interactive requests that may wait; then 503."),
+    max_waiting_batch: int = typer.Option(4096, "--max-waiting-batch", help="Batch requests that may wait."),
+    price_card: str = typer.Option("tokenmill-default", "--price-card", help="Rate card for usage.cost."),
+    cards: Optional[str] = typer.Option(None, "--cards", help="Rate card file or folder (default: shipped)."),
+    usd_per_hour: Optional[float] = typer.Option(None, "--usd-per-hour",
+                                                 help="This machine's cost, for a self-hosted card."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."""
     import logging
 
+    from tokenmill.cost import CardError, load_cards, with_machine
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.server.app import ServerConfig, build_app
+    from tokenmill.server.app import ServerConfig, ServicePolicy, build_app
+    from tokenmill.server.gate import AdmissionConfig
+    from tokenmill.server.keys import KeyStore, TenantLimits
     from tokenmill.server.launch import run_server
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tokenmill.server")
+    keys = KeyStore(keys_db) if keys_db else None
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    if keys is None or not keys.has_keys():
+        if not loopback and not allow_open:
+            _fail(f"refusing to serve {host} without API keys: add keys (tokenmill keys add) and pass "
+                  "--keys-db, or pass --allow-open to serve it open")
+        log.warning("no API keys configured: the server is open to anyone who can reach %s:%d", host, port)
+    try:
+        card_set = load_cards(cards)
+        if price_card not in card_set:
+            _fail(f"unknown rate card {price_card!r}; known: {', '.join(sorted(card_set))}")
+        card = card_set[price_card]
+        if usd_per_hour is not None:
+            card = with_machine(card, usd_per_hour=usd_per_hour)
+        defaults = TenantLimits(max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
+                                max_work_tokens=max_work_tokens)
+    except (CardError, ValueError) as exc:
+        _fail(str(exc))
+    policy = ServicePolicy(keys=keys, defaults=defaults, card=card,
+                           admission=AdmissionConfig(max_waiting_interactive=max_waiting,
+                                                     max_waiting_batch=max_waiting_batch))
     config = engine_config(model, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
                            block_size, prefix_caching, num_threads)
     loaded = _load(model, dtype)
@@ -89,7 +129,7 @@ def serve(
         _fail(str(exc))
     server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name,
                                  shutdown_timeout_s=shutdown_timeout)
-    app_ = build_app(engine, server_config)
+    app_ = build_app(engine, server_config, policy)
     run_server(app_, host, port, shutdown_timeout, log_level.lower())
 
 
@@ -190,7 +230,10 @@ def chat(
 
 from tokenmill.cost.cli import cost_app  # noqa: E402  (light: typer and the stdlib only)
 
+from tokenmill.server.keys_cli import keys_app  # noqa: E402
+
 app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, cost self-hosting.")
+app.add_typer(keys_app, name="keys", help="Manage tenants and API keys.")
 
 
 def main() -> None:  # pragma: no cover

@@ -1,17 +1,18 @@
 """The FastAPI app: thin routes over the serving classes, health, readiness, metrics.
 
-`build_app(engine, config)` wires one engine client into one app; nothing is global,
-so two servers can live in one process (tests).
+`build_app(engine, config, policy)` wires one engine client into one app; nothing is
+global, so two servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
@@ -19,6 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.errors import APIError, install_error_handlers
+from tokenmill.server.gate import AdmissionConfig, Gate
+from tokenmill.server.idempotency import IdempotencyStore
+from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.serving import RequestContext, new_id
@@ -26,6 +30,8 @@ from tokenmill.server.serving_chat import ServingChat
 from tokenmill.server.serving_completion import ServingCompletion
 
 log = logging.getLogger("tokenmill.server")
+ANONYMOUS = "anonymous"
+AUTH_ERROR = "invalid or missing API key"  # one message: never say which part was wrong
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,16 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # default: the model's own name
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+
+
+@dataclass
+class ServicePolicy:
+    """Tenancy, limits and pricing. With no key store the server is open: every
+    request is the anonymous tenant under `defaults`."""
+    keys: KeyStore | None = None
+    defaults: TenantLimits = field(default_factory=TenantLimits)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    card: object | None = None  # tokenmill.cost.RateCard used for usage.cost (None: no pricing)
 
 
 class ServerState:
@@ -45,57 +61,104 @@ class ServerState:
         self.started = time.time()
 
 
-class RequestIdAndDrain:
-    """Pure ASGI middleware (streaming-safe): every response carries x-request-id (the
-    client's own if sent), status codes are counted, and while draining for shutdown
-    new API requests get 503."""
+class Frontdoor:
+    """Pure ASGI middleware (streaming-safe), outermost:
+    - every response carries x-request-id (the client's own if sent) and, for a tenant
+      with limits, the x-ratelimit-* headers; status codes are counted;
+    - API calls need `Authorization: Bearer KEY` when a key store is configured (401);
+    - while draining for shutdown new API requests get 503;
+    - when the exchange ends, however it ends, the request's settlement runs."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, metrics: Metrics):
+    def __init__(self, app: ASGIApp, state: ServerState, metrics: Metrics, gate: Gate,
+                 keys: KeyStore | None, open_tenant: Tenant):
         self.app = app
         self.state = state
         self.metrics = metrics
+        self.gate = gate
+        self.keys = keys
+        self.open_tenant = open_tenant
+
+    def _tenant(self, scope: Scope) -> Tenant | None:
+        if self.keys is None:
+            return self.open_tenant
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                scheme, _, token = v.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and token.strip():
+                    return self.keys.authenticate(token.strip())
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = None
-        for k, v in scope.get("headers", []):
-            if k == b"x-request-id":
-                rid = v.decode("latin-1")[:200]
-                break
+        rid = next((v.decode("latin-1")[:200] for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
         rid = rid or uuid.uuid4().hex
-        scope.setdefault("state", {})["client_request_id"] = rid
-        is_api = scope["path"].startswith("/v1/") and scope["method"] == "POST"
+        state = scope.setdefault("state", {})
+        state["client_request_id"] = rid
+        is_api = scope["path"].startswith("/v1/")
+        tenant = self._tenant(scope) if is_api else None
+        state["tenant"] = tenant
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
+                headers = [(k, v) for k, v in message.get("headers", []) if not k.startswith(b"x-ratelimit-")]
                 headers.append((b"x-request-id", rid.encode("latin-1")))
+                for k, v in self.gate.headers_for(tenant).items():
+                    headers.append((k.encode("latin-1"), v.encode("latin-1")))
                 message["headers"] = headers
                 self.metrics.responses.labels(status_code=str(message["status"])).inc()
             await send(message)
 
-        if is_api and self.state.draining:
+        if is_api and tenant is None:
+            await APIError(401, AUTH_ERROR, code="invalid_api_key").response()(scope, receive, send_wrapper)
+            return
+        counted = is_api and scope["method"] == "POST"
+        if counted and self.state.draining:
             resp = APIError(503, "the server is shutting down", code="shutting_down").response()
             await resp(scope, receive, send_wrapper)
             return
-        if is_api:
+        if counted:
             self.state.inflight += 1
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            if is_api:
+            if counted:
                 self.state.inflight -= 1
+            ctx = state.get("ctx")
+            if ctx is not None:
+                ctx.finish()
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+def _timeout_header(raw: Request) -> float | None:
+    value = raw.headers.get("x-request-timeout")
+    if value is None:
+        return None
+    try:
+        t = float(value)
+    except ValueError:
+        t = -1.0
+    if not t > 0:
+        raise APIError(400, "X-Request-Timeout must be a positive number of seconds", param="X-Request-Timeout")
+    return t
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None,
+              policy: ServicePolicy | None = None) -> FastAPI:
     config = config or ServerConfig()
+    policy = policy or ServicePolicy()
     model_name = config.served_model_name or engine.model_config.name
     if engine.tokenizer is None:
         raise ValueError("the server needs a model with a tokenizer")
     state = ServerState()
     metrics = Metrics(engine.stats)
+    gate = Gate(policy.defaults, engine.stats, metrics, policy.admission)
+    pricer = None
+    if policy.card is not None:
+        from tokenmill.server.pricing import Pricer
+
+        pricer = Pricer(policy.card, model_name, metrics, gate.ledger)
+    idempotency = IdempotencyStore()
     chat = ServingChat(engine, engine.tokenizer, model_name, metrics)
     completion = ServingCompletion(engine, engine.tokenizer, model_name, metrics)
 
@@ -114,22 +177,35 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.metrics = metrics
     app.state.model_name = model_name
     app.state.config = config
+    app.state.idempotency = idempotency
     install_error_handlers(app)
 
-    def context(raw: Request, prefix: str) -> RequestContext:
+    def context(raw: Request, prefix: str, requested_class: str | None) -> RequestContext:
         ctx = RequestContext(request_id=new_id(prefix))
-        gate = getattr(app.state, "gate", None)  # tenancy, limits: installed by tokenmill.server.tenancy
-        if gate is not None:
-            gate.admit(raw, ctx)
+        raw.scope["state"]["ctx"] = ctx  # Frontdoor settles it when the exchange ends
+        tenant: Tenant = raw.scope["state"]["tenant"]
+        gate.admit(ctx, tenant, requested_class, _timeout_header(raw))
+        ctx.gate = gate
+        if pricer is not None:
+            pricer.attach(ctx)
         return ctx
+
+    async def serve(raw: Request, body, serving, prefix: str) -> Response:
+        key = raw.headers.get("idempotency-key")
+        if key is None or body.stream:
+            return await serving.create(body, raw, context(raw, prefix, body.priority))
+        fingerprint = hashlib.sha256(raw.url.path.encode() + b"\0" + await raw.body()).hexdigest()
+        scope = raw.scope["state"]["tenant"].name
+        return await idempotency.run(scope, key, fingerprint,
+                                     lambda: serving.create(body, raw, context(raw, prefix, body.priority)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await chat.create(body, raw, context(raw, "chatcmpl"))
+        return await serve(raw, body, chat, "chatcmpl")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await completion.create(body, raw, context(raw, "cmpl"))
+        return await serve(raw, body, completion, "cmpl")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -152,7 +228,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app.add_middleware(RequestIdAndDrain, state=state, metrics=metrics)
+    app.add_middleware(Frontdoor, state=state, metrics=metrics, gate=gate, keys=policy.keys,
+                       open_tenant=Tenant(ANONYMOUS, policy.defaults))
     return app
 
 

@@ -30,11 +30,26 @@ from tokenmill.server.metrics import Metrics
 
 @dataclass
 class RequestContext:
-    """Who is asking and under what terms (filled by the app before serving)."""
+    """Who is asking and under what terms (filled by the gate before serving), and what
+    the request has used so far. `finish()` runs the settlement callbacks exactly once;
+    the app's middleware calls it when the HTTP exchange ends, however it ends."""
     request_id: str  # our id, unique: the engine's key and the response's `id`
     tenant: str | None = None
+    limits: Any = None  # the tenant's TenantLimits when a gate admitted it
     priority: int = Priority.INTERACTIVE
-    usage_hooks: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+    deadline: float | None = None  # time.monotonic() after which the work is abandoned
+    gate: Any = None  # the Gate that admitted it, for the token phase
+    usage: dict[str, Any] | None = None  # the latest usage (partial while streaming)
+    usage_hooks: list[Callable[[RequestContext, dict[str, Any]], None]] = field(default_factory=list)
+    finalizers: list[Callable[[dict[str, Any] | None], None]] = field(default_factory=list)
+    _finished: bool = False
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        for f in self.finalizers:
+            f(self.usage)
 
 
 @dataclass
@@ -84,10 +99,28 @@ class BaseServing:
         except AdmissionError as exc:
             raise APIError(400, str(exc), param=exc.param or param, code="context_length_exceeded") from None
 
+    def admit_tokens(self, ctx: RequestContext, prompt_lens: list[int], params: SamplingParams,
+                     param: str) -> SamplingParams:
+        """Context-window checks, then the gate's caps and token reservations."""
+        for n in prompt_lens:
+            self.check_fits(n, params, param)
+        if ctx.gate is not None:
+            room = self.engine.max_model_len - max(prompt_lens)
+            params = ctx.gate.admit_tokens(ctx, sum(prompt_lens), params, room)
+        ctx.usage = self.usage(sum(prompt_lens), 0, 0)
+        return params
+
     def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: SamplingParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(sub_id, ids, params, priority=ctx.priority, cache_salt=cache_salt,
-                                    tenant=ctx.tenant)
+                                    tenant=ctx.tenant, deadline=ctx.deadline)
+
+    @staticmethod
+    def check_deadline(body: dict[str, Any]) -> dict[str, Any]:
+        if any(c.get("finish_reason") == "abort" and c.get("stop_reason") == "deadline" for c in body["choices"]):
+            raise APIError(504, "the request's deadline passed before it finished; its work was abandoned",
+                           code="deadline_exceeded")
+        return body
 
     # -- output side --------------------------------------------------------------------
     def record(self, out: RequestOutput) -> None:
@@ -100,9 +133,14 @@ class BaseServing:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    def progress(self, ctx: RequestContext, num_prompt: int, cached: int, completion: int) -> None:
+        """Keep ctx.usage current, so a request cut short is still settled for what it used."""
+        ctx.usage = self.usage(num_prompt, cached, completion)
+
     def finish_usage(self, ctx: RequestContext, usage: dict[str, Any]) -> dict[str, Any]:
-        for hook in ctx.usage_hooks:  # pricing, quotas: they may add fields (usage.cost)
-            hook(usage)
+        for hook in ctx.usage_hooks:  # pricing: may add fields (usage.cost)
+            hook(ctx, usage)
+        ctx.usage = usage
         return usage
 
     def token_str(self, token_id: int) -> str:

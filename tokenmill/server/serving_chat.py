@@ -26,12 +26,13 @@ class ServingChat(BaseServing):
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        self.check_fits(len(ids), params, "messages")
+        params = self.admit_tokens(ctx, [len(ids)], params, "messages")
         stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return streaming_response(sse_with_errors(self._stream(body, ctx, stream, len(ids), include_usage)))
-        return json_response(await run_until_disconnected(raw, self._full(body, ctx, stream, len(ids))))
+        return json_response(self.check_deadline(
+            await run_until_disconnected(raw, self._full(body, ctx, stream, len(ids)))))
 
     def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
         return {"content": [
@@ -55,6 +56,7 @@ class ServingChat(BaseServing):
                 cached = out.num_cached_tokens
             if out.finished:
                 c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
         usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
         return {
             "id": ctx.request_id, "object": "chat.completion", "created": now(), "model": self.model_name,
@@ -88,6 +90,7 @@ class ServingChat(BaseServing):
             outputs[out.index] = out.num_output_tokens
             if out.index == 0:
                 cached = out.num_cached_tokens
+            self.progress(ctx, num_prompt, cached, sum(outputs))
             lps = self._logprobs(out.logprobs) if (body.logprobs and out.logprobs) else None
             if out.text or lps or out.finished:
                 delta = {"content": out.text} if out.text else {}

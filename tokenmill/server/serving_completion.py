@@ -45,14 +45,15 @@ class ServingCompletion(BaseServing):
                 raise APIError(400, "the prompt encodes to no tokens", param="prompt")
             if min(ids) < 0 or max(ids) >= vocab:
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            self.check_fits(len(ids), params, "prompt")
+        params = self.admit_tokens(ctx, [len(ids) for _, ids in prompts], params, "prompt")
         streams = [self.generate(ctx, ctx.request_id if len(prompts) == 1 else f"{ctx.request_id}-{p}", ids,
                                  params, body.cache_salt)
                    for p, (_, ids) in enumerate(prompts)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return streaming_response(sse_with_errors(self._stream(body, ctx, prompts, streams, include_usage)))
-        return json_response(await run_until_disconnected(raw, self._full(body, ctx, prompts, streams)))
+        return json_response(self.check_deadline(
+            await run_until_disconnected(raw, self._full(body, ctx, prompts, streams))))
 
     # -- logprobs in the legacy shape ---------------------------------------------------
     def _logprobs(self, lps: list[TokenLogprob], start_offset: int) -> dict[str, Any]:
@@ -78,6 +79,7 @@ class ServingCompletion(BaseServing):
         choices = {p * n + i: Choice(p * n + i) for p in range(len(prompts)) for i in range(n)}
         lps: dict[int, list] = {k: [] for k in choices}
         cached = 0
+        num_prompt = sum(len(ids) for _, ids in prompts)
         async for p, out in merge_streams(streams):
             self.record(out)
             c = choices[p * n + out.index]
@@ -94,7 +96,7 @@ class ServingCompletion(BaseServing):
                 cached += out.num_cached_tokens
             if out.finished:
                 c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-        num_prompt = sum(len(ids) for _, ids in prompts)
+            self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
         usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
         return {
             "id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.model_name,
@@ -114,6 +116,7 @@ class ServingCompletion(BaseServing):
         if include_usage:
             base["usage"] = None
         started: set[int] = set()
+        num_prompt = sum(len(ids) for _, ids in prompts)
         offsets: dict[int, int] = {}
         outputs: dict[int, int] = {}
         cached = 0
@@ -131,6 +134,7 @@ class ServingCompletion(BaseServing):
             outputs[index] = out.num_output_tokens
             if out.index == 0:
                 cached += out.num_cached_tokens
+            self.progress(ctx, num_prompt, cached, sum(outputs.values()))
             if text or out.finished or lps:
                 logprobs = None
                 if body.logprobs is not None:
@@ -139,7 +143,6 @@ class ServingCompletion(BaseServing):
                 yield sse({**base, "choices": [{
                     "index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": out.finish_reason if out.finished else None}]})
-        num_prompt = sum(len(ids) for _, ids in prompts)
         usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs.values())))
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage})

@@ -1,0 +1,45 @@
+"""Usage priced the way providers price it: `usage.cost` on every response, cost
+counters by tenant and model, and spend recorded against tenant budgets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.cost import Cost, Ledger, RateCard, price
+from tokenmill.engine.request import Priority
+from tokenmill.server.metrics import Metrics
+
+
+class Pricer:
+    def __init__(self, card: RateCard, model_name: str, metrics: Metrics, ledger: Ledger | None = None):
+        self.card = card
+        self.model_name = model_name
+        self.metrics = metrics
+        self.ledger = ledger
+
+    def cost(self, usage: dict[str, Any], batch: bool) -> Cost:
+        return price(self.card, input_tokens=usage["prompt_tokens"],
+                     cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                     output_tokens=usage["completion_tokens"], batch=batch)
+
+    def attach(self, ctx) -> None:
+        """Price the final usage in-band, and record spend however the request ends."""
+        batch = ctx.priority == Priority.BATCH
+        priced: list[Cost] = []
+
+        def hook(_ctx, usage: dict[str, Any]) -> None:
+            c = self.cost(usage, batch)
+            priced.append(c)
+            usage["cost"] = c.to_dict()
+
+        def record(usage: dict[str, Any] | None) -> None:
+            if usage is None:
+                return
+            c = priced[-1] if priced else self.cost(usage, batch)  # cut short: price what was used
+            tenant = ctx.tenant or "anonymous"
+            self.metrics.cost.labels(tenant=tenant, model=self.model_name).inc(float(c.total_usd))
+            if self.ledger is not None:
+                self.ledger.record(tenant, c.total_usd)
+
+        ctx.usage_hooks.append(hook)
+        ctx.finalizers.append(record)
