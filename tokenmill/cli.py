@@ -83,6 +83,8 @@ def serve(
     cards: Optional[str] = typer.Option(None, "--cards", help="Rate card file or folder (default: shipped)."),
     usd_per_hour: Optional[float] = typer.Option(None, "--usd-per-hour",
                                                  help="This machine's cost, for a self-hosted card."),
+    engine_mode: str = typer.Option("thread", "--engine",
+                                    help="Where the step loop runs: thread (this process) or process."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."""
@@ -90,6 +92,7 @@ def serve(
 
     from tokenmill.cost import CardError, load_cards, with_machine
     from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.model.config import ModelLoadError
     from tokenmill.server.app import ServerConfig, ServicePolicy, build_app
     from tokenmill.server.gate import AdmissionConfig
     from tokenmill.server.keys import KeyStore, TenantLimits
@@ -120,13 +123,19 @@ def serve(
                                                      max_waiting_batch=max_waiting_batch))
     config = engine_config(model, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
                            block_size, prefix_caching, num_threads)
-    loaded = _load(model, dtype)
-    if loaded.tokenizer is None:
-        _fail("this model has no tokenizer; the server needs one")
+    if engine_mode not in ("thread", "process"):
+        _fail(f"--engine must be thread or process, got {engine_mode!r}")
     try:
-        engine = AsyncEngine(loaded, config)
-    except ValueError as exc:
+        if engine_mode == "process":
+            from tokenmill.engine.process_engine import ProcessEngine
+
+            engine = ProcessEngine(model, dtype, config)
+        else:
+            engine = AsyncEngine(_load(model, dtype), config)
+    except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
+    if engine.tokenizer is None:
+        _fail("this model has no tokenizer; the server needs one")
     server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name,
                                  shutdown_timeout_s=shutdown_timeout)
     app_ = build_app(engine, server_config, policy)

@@ -1,10 +1,13 @@
 """A thin async front over the synchronous engine core.
 
-The step loop runs in one background thread and owns the engine outright; callers
-talk to it through a command queue (add, abort) and receive outputs through one
-asyncio queue per request, fed once per step. A consumer that goes away (stream
-closed, task cancelled) aborts its request, which frees its blocks before the next
-step. `EngineClient` is the seam a process-based core would implement.
+The step loop owns the engine outright; callers talk to it through commands (add,
+abort) and receive outputs through one asyncio queue per request, fed once per step.
+A consumer that goes away (stream closed, task cancelled) aborts its request, which
+frees its blocks before the next step.
+
+`EngineFront` is the seam: `AsyncEngine` runs the loop in a thread of this process;
+`tokenmill.engine.process_engine.ProcessEngine` runs it in a child process. Only
+`_submit` and the loop differ.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.output import RequestOutput
 from tokenmill.engine.request import Priority
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import AdmissionLimits
+from tokenmill.model.config import ModelConfig
 from tokenmill.model.loader import LoadedModel
+from tokenmill.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -31,71 +37,56 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; requests in flight cannot complete."""
 
 
-class EngineClient(Protocol):
-    async def start(self) -> None: ...
-    async def stop(self) -> None: ...
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 **kwargs: Any) -> AsyncIterator[RequestOutput]: ...
-    def abort(self, request_id: str) -> None: ...
-    def stats(self) -> EngineStats: ...
-    @property
-    def running(self) -> bool: ...
-
-
 @dataclass
-class _Add:
+class AddCommand:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     kwargs: dict[str, Any]
 
 
-class AsyncEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
-        self.engine = LLMEngine(loaded, config)
-        self.tokenizer = loaded.tokenizer
-        self.model_config = loaded.config
-        self._cmds: deque[_Add | str] = deque()
-        self._wake = threading.Condition()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
-        self.error: BaseException | None = None
-        self._stats = self.engine.stats()
+@dataclass
+class AbortCommand:
+    request_id: str
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+
+class EngineFront:
+    """The asyncio side: per-request queues, generate(), abort(); subclasses run the loop."""
+
+    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig):
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.limits: AdmissionLimits | None = None  # known once the engine is built
+        self.error: BaseException | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats: EngineStats | None = None
+
+    # -- to implement -------------------------------------------------------------------
+    def _submit(self, cmd: AddCommand | AbortCommand) -> None:
+        raise NotImplementedError
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        assert self.limits is not None
+        return self.limits.max_model_len
 
     def stats(self) -> EngineStats:
-        return self._stats  # refreshed by the loop after each step: no cross-thread reads
+        assert self._stats is not None
+        return self._stats  # a snapshot refreshed by the loop after each step
 
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
-
-    async def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-
-    # -- client side --------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Validate before queueing (pure reads): raises InvalidParameter / AdmissionError.
-        Returns the resolved max_tokens."""
+        """Validate before queueing: raises InvalidParameter / AdmissionError. Returns the
+        resolved max_tokens."""
+        assert self.limits is not None
         params.validate()
-        max_tokens = self.engine.resolve_max_tokens(num_prompt_tokens, params)
-        self.engine.scheduler.check_admissible(num_prompt_tokens, max_tokens)
+        max_tokens = self.limits.resolve_max_tokens(num_prompt_tokens, params.max_tokens)
+        self.limits.check(num_prompt_tokens, max_tokens)
         return max_tokens
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -107,9 +98,9 @@ class AsyncEngine:
         self.check_request(len(prompt_token_ids), params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._submit(_Add(request_id, prompt_token_ids, params,
-                          dict(priority=priority, cache_salt=cache_salt, tenant=tenant,
-                               arrival_time=arrival_time, deadline=deadline)))
+        self._submit(AddCommand(request_id, prompt_token_ids, params,
+                                dict(priority=priority, cache_salt=cache_salt, tenant=tenant,
+                                     arrival_time=arrival_time, deadline=deadline)))
         remaining = params.n
         try:
             while remaining:
@@ -125,16 +116,11 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._submit(request_id)
+        self._submit(AbortCommand(request_id))
 
     def abort_all(self) -> None:
         for rid in list(self._queues):
             self.abort(rid)
-
-    def _submit(self, cmd: _Add | str) -> None:
-        with self._wake:
-            self._cmds.append(cmd)
-            self._wake.notify()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -147,7 +133,63 @@ class AsyncEngine:
         if q is not None:
             q.put_nowait(exc)
 
-    # -- engine thread ------------------------------------------------------------------
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._queues):
+            self._fail(rid, exc)
+
+
+def run_commands(engine: LLMEngine, cmds: list[AddCommand | AbortCommand]
+                 ) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
+    """Apply queued commands to the engine: (outputs of aborts, refused adds)."""
+    outputs: list[RequestOutput] = []
+    refused: list[tuple[str, Exception]] = []
+    for cmd in cmds:
+        if isinstance(cmd, AbortCommand):
+            outputs.extend(engine.abort(cmd.request_id))
+            continue
+        try:
+            engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
+        except ValueError as exc:
+            refused.append((cmd.request_id, exc))
+    return outputs, refused
+
+
+class AsyncEngine(EngineFront):
+    """The step loop in a background thread of this process."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        super().__init__(loaded.tokenizer, loaded.config)
+        self.engine = LLMEngine(loaded, config)
+        self.limits = self.engine.limits
+        self._stats = self.engine.stats()
+        self._cmds: deque[AddCommand | AbortCommand] = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def _submit(self, cmd: AddCommand | AbortCommand) -> None:
+        with self._wake:
+            self._cmds.append(cmd)
+            self._wake.notify()
+
     def _run(self) -> None:
         engine = self.engine
         loop = self._loop
@@ -161,15 +203,9 @@ class AsyncEngine:
                         break
                     cmds = list(self._cmds)
                     self._cmds.clear()
-                aborted: list[RequestOutput] = []
-                for cmd in cmds:
-                    if isinstance(cmd, str):
-                        aborted.extend(engine.abort(cmd))
-                        continue
-                    try:
-                        engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
-                    except ValueError as exc:
-                        loop.call_soon_threadsafe(self._fail, cmd.request_id, exc)
+                aborted, refused = run_commands(engine, cmds)
+                for rid, exc in refused:
+                    loop.call_soon_threadsafe(self._fail, rid, exc)
                 outputs = aborted + engine.step()
                 self._stats = engine.stats()
                 if outputs:
@@ -177,6 +213,4 @@ class AsyncEngine:
         except BaseException as exc:  # a bug in the step path: fail loudly, not silently
             log.exception("engine loop failed")
             self.error = exc
-            dead = EngineDeadError(f"engine loop failed: {exc!r}")
-            for rid in list(self._queues):
-                loop.call_soon_threadsafe(self._fail, rid, dead)
+            loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop failed: {exc!r}"))

@@ -23,7 +23,7 @@ from tokenmill.engine.output import OutputProcessor, RequestOutput
 from tokenmill.engine.request import Priority, Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
-from tokenmill.engine.scheduler import AdmissionError, Scheduler
+from tokenmill.engine.scheduler import AdmissionLimits, Scheduler
 from tokenmill.kv.cache import KVCache, default_cache_bytes
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.model.loader import LoadedModel
@@ -89,15 +89,9 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        if params.max_tokens is not None:
-            return params.max_tokens
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise AdmissionError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                f"has {num_prompt_tokens} tokens", param="messages")
-        return room
+    @property
+    def limits(self) -> AdmissionLimits:
+        return self.scheduler.limits
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
@@ -114,7 +108,7 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidParameter("prompt", f"prompt token ids must be in [0, {vocab})")
         params.validate()
-        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
+        max_tokens = self.limits.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         reqs = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids, params,

@@ -29,6 +29,36 @@ class AdmissionError(ValueError):
 
 
 @dataclass(frozen=True)
+class AdmissionLimits:
+    """What any request must fit: the context window and the whole KV cache. Pure, so a
+    front end in another process can refuse a request without asking the engine."""
+    max_model_len: int
+    cache_tokens: int
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        if max_tokens is not None:
+            return max_tokens
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise AdmissionError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"has {num_prompt_tokens} tokens", param="messages")
+        return room
+
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens + max_tokens > limit:
+            raise AdmissionError(
+                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens} prompt "
+                f"tokens + {max_tokens} max_tokens = {num_prompt_tokens + max_tokens} were requested",
+                param="max_tokens")
+        if num_prompt_tokens + max_tokens > self.cache_tokens:
+            raise AdmissionError(
+                f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed the whole KV cache "
+                f"({self.cache_tokens} tokens); raise the cache size or lower max_tokens", param="max_tokens")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -124,23 +154,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- admission ----------------------------------------------------------------------
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        limit = self.config.max_model_len
-        if num_prompt_tokens + max_tokens > limit:
-            raise AdmissionError(
-                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens} prompt "
-                f"tokens + {max_tokens} max_tokens = {num_prompt_tokens + max_tokens} were requested",
-                param="max_tokens")
-        capacity = self.kv.num_blocks * self.kv.block_size
-        if num_prompt_tokens + max_tokens > capacity:
-            raise AdmissionError(
-                f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed the whole KV cache "
-                f"({capacity} tokens); raise the cache size or lower max_tokens", param="max_tokens")
+    @property
+    def limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.config.max_model_len, self.kv.num_blocks * self.kv.block_size)
 
     def add_requests(self, reqs: list[Request]) -> None:
         """Add one user request's samples (n of them). Check admissibility first."""
         for req in reqs:
-            self.check_admissible(req.num_prompt_tokens, req.max_tokens)
+            self.limits.check(req.num_prompt_tokens, req.max_tokens)
         for req in reqs:
             assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
             req.arrival_seq = self._arrivals

@@ -34,7 +34,17 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes tokens are single-token decodes
     decode_slots: torch.Tensor | None = None  # [D, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [1, D, 1, L] True where a key is visible
+    decode_bias: torch.Tensor | None = None  # derived from decode_mask by the first layer, reused
     prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Attention as two batched matmuls, for short queries (decode, small chunks), where
+    the fused kernel's setup costs more than the math. q [B, m, d], k/v [B, L, d],
+    bias [B or 1, m or 1, L] additive (0 / -inf)."""
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
+    return torch.bmm(scores.softmax(dim=-1), v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -51,26 +61,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if D:
         L = meta.decode_slots.shape[1]
         idx = meta.decode_slots.reshape(-1)
-        kd = k_cache.index_select(1, idx).view(Hkv, D, L, d)
-        vd = v_cache.index_select(1, idx).view(Hkv, D, L, d)
-        # The query group of each kv head rides on the query-length axis: [Hkv, D, g, d].
-        qd = q[:D].view(D, Hkv, g, d).transpose(0, 1)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:D] = od.transpose(0, 1).reshape(D, H * d)
+        kd = k_cache.index_select(1, idx).view(Hkv * D, L, d)
+        vd = v_cache.index_select(1, idx).view(Hkv * D, L, d)
+        # The query group of each kv head rides on the query axis: [Hkv * D, g, d].
+        qd = q[:D].view(D, Hkv, g, d).transpose(0, 1).reshape(Hkv * D, g, d)
+        if meta.decode_bias is None or meta.decode_bias.dtype != q.dtype:  # once per step, shared by layers
+            bias = torch.zeros(meta.decode_mask.shape, dtype=q.dtype).masked_fill_(~meta.decode_mask, float("-inf"))
+            meta.decode_bias = bias.expand(Hkv, D, 1, L).reshape(Hkv * D, 1, L)
+        od = _grouped_attention(qd, kd, vd, meta.decode_bias, scale)
+        out[:D] = od.view(Hkv, D, g, d).transpose(0, 1).reshape(D, H * d)
     for p in meta.prefills:
         s, n = p.start, p.query_len
-        qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         if p.context_len == 0:
+            qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
             kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
             vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=g > 1)
-        else:
-            L = p.context_len + n
-            kp = k_cache.index_select(1, p.slots).unsqueeze(0)  # [1, Hkv, L, d]
-            vp = v_cache.index_select(1, p.slots).unsqueeze(0)
-            # query i sits at position context_len + i and sees keys 0..context_len + i
-            qpos = torch.arange(p.context_len, L).unsqueeze(1)
-            mask = torch.arange(L).unsqueeze(0) <= qpos
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=g > 1)
-        out[s:s + n] = o[0].transpose(0, 1).reshape(n, H * d)
+            out[s:s + n] = o[0].transpose(0, 1).reshape(n, H * d)
+            continue
+        L = p.context_len + n
+        kp = k_cache.index_select(1, p.slots)  # [Hkv, L, d]
+        vp = v_cache.index_select(1, p.slots)
+        # rows are (query i, group member j) -> query i sits at context_len + i
+        qp = q[s:s + n].view(n, Hkv, g, d).transpose(0, 1).reshape(Hkv, n * g, d)
+        qpos = torch.arange(p.context_len, L).repeat_interleave(g).unsqueeze(1)
+        bias = torch.zeros(n * g, L, dtype=q.dtype).masked_fill_(torch.arange(L).unsqueeze(0) > qpos,
+                                                                   float("-inf"))
+        o = _grouped_attention(qp, kp, vp, bias.unsqueeze(0), scale)  # [Hkv, n * g, d]
+        out[s:s + n] = o.view(Hkv, n, g, d).transpose(0, 1).reshape(n, H * d)
     return out

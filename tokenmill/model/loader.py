@@ -115,6 +115,24 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     return LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
 
 
+def load_metadata(path: str | None = None) -> tuple[ModelConfig, Tokenizer | None]:
+    """The architecture and tokenizer without the weights (a front end in another process
+    than the engine needs only these)."""
+    path = path or default_model_path()
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path not found: {path}")
+    if os.path.isdir(path):
+        from tokenmill.model.safetensors_loader import HFCheckpoint
+
+        cfg = HFCheckpoint(path).model_config()
+        return cfg, Tokenizer.from_hf_folder(path, cfg)
+    from tokenmill.model.gguf_loader import GGUFFile
+
+    gf = GGUFFile(path)
+    gf.check_supported()
+    return gf.model_config(), Tokenizer.from_gguf_metadata(gf.metadata)
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
     """Load weights (dequantized to `dtype`) and tokenizer from `path`, or the embedded model."""
     path = path or default_model_path()

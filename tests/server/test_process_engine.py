@@ -1,0 +1,36 @@
+"""The same API with the step loop in a child process (`--engine process`)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL, ServerProcess, metric
+
+
+@pytest.mark.slow
+def test_process_engine_serves_and_frees():
+    srv = ServerProcess("--engine", "process").wait_ready()
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 12, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        bad = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 100000}, timeout=60)
+        assert bad.status_code == 400 and "8192" in bad.json()["error"]["message"]
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Once", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as s:
+            for i, _ in enumerate(s.iter_lines()):
+                if i > 6:
+                    break
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (metric(srv, "tokenmill_num_requests_running") or
+                                               metric(srv, "tokenmill_kv_blocks_used")):
+            time.sleep(0.2)
+        assert metric(srv, "tokenmill_num_requests_running") == 0
+        assert metric(srv, "tokenmill_kv_blocks_used") == 0
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
