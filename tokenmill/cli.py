@@ -239,8 +239,10 @@ def chat(
 
 from tokenmill.cost.cli import cost_app  # noqa: E402  (light: typer and the stdlib only)
 
+from tokenmill.bench.cli import bench  # noqa: E402  (HTTP only: no torch import)
 from tokenmill.server.keys_cli import keys_app  # noqa: E402
 
+app.command("bench", help="Load-test any OpenAI-compatible server and report latency, throughput, goodput.")(bench)
 app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, cost self-hosting.")
 app.add_typer(keys_app, name="keys", help="Manage tenants and API keys.")
 

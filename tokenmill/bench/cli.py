@@ -70,7 +70,8 @@ class RichProgress:
 
     def done(self, rec: RequestRecord) -> None:
         self.ok, self.err = self.ok + rec.ok, self.err + (not rec.ok)
-        self.progress.update(self.task, advance=1, ok=self.ok, err=self.err)
+        if self.task is not None:
+            self.progress.update(self.task, advance=1, ok=self.ok, err=self.err)
 
     def __enter__(self) -> "RichProgress":
         self.progress.start()

@@ -136,6 +136,9 @@ def file_requests(cfg: WorkloadConfig, n: int) -> list[RequestSpec]:
                 raise ValueError(f"{cfg.prompts_file}:{lineno}: not JSON: {exc}") from exc
             if not isinstance(row, dict) or not ({"prompt", "text", "messages"} & row.keys()):
                 raise ValueError(f"{cfg.prompts_file}:{lineno}: needs 'prompt', 'text' or 'messages'")
+            if "messages" in row and not (isinstance(row["messages"], list)
+                                          and all(isinstance(m, dict) for m in row["messages"])):
+                raise ValueError(f"{cfg.prompts_file}:{lineno}: 'messages' must be a list of objects")
             rows.append(row)
     if not rows:
         raise ValueError(f"{cfg.prompts_file}: no prompts")
@@ -146,7 +149,7 @@ def file_requests(cfg: WorkloadConfig, n: int) -> list[RequestSpec]:
         messages = row.get("messages")
         prompt = row.get("prompt", row.get("text"))
         if prompt is None:
-            prompt = "\n".join(str(m.get("content", "")) for m in messages)
+            prompt = "\n".join(str(m.get("content", "")) for m in messages or [])
         max_tokens = row.get("max_tokens", row.get("output_len")) or cfg.output_len.draw(rng)
         out.append(RequestSpec(index=i, prompt=str(prompt), max_tokens=int(max_tokens), messages=messages))
     return out
