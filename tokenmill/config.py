@@ -46,3 +46,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's own context length
     num_threads: int | None = None  # None: the cores this process may use
+    native_attention: bool = True  # the compiled paged-attention kernel (falls back to torch)

@@ -215,3 +215,31 @@ def test_interactive_takes_a_batch_slot(tiny):
     assert order[0] == "i0"
     assert engine.scheduler.num_preemptions >= 1
     assert toks["b0"] == alone["b0"][0]  # a preempted request resumes with identical output
+
+
+@pytest.mark.parametrize("budget", [512, 7])
+def test_native_attention_matches_torch_path(tiny, budget):
+    from tokenmill.model.kernels import paged_attention_ext
+
+    if paged_attention_ext() is None:
+        pytest.skip("no C++ toolchain: the torch path is the only path")
+    reqs = {f"r{i}": (_prompt(5 + 9 * i, i), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                             logprobs=3)) for i in range(6)}
+
+    def run(native):
+        engine = make_engine(tiny, max_num_batched_tokens=budget, native_attention=native)
+        assert (engine.runner.kernel is not None) == native
+        for rid, (ids, sp) in reqs.items():
+            engine.add_request(rid, ids, sp)
+        outs = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(
+                    (lp.token_id, lp.logprob) for lp in (o.logprobs or []))
+        return outs
+
+    native, ref = run(True), run(False)
+    assert native.keys() == ref.keys()
+    for rid in ref:
+        assert [t for t, _ in native[rid]] == [t for t, _ in ref[rid]]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(native[rid], ref[rid])) < 1e-4

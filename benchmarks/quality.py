@@ -1,0 +1,77 @@
+"""Quality cost of a model configuration: perplexity on a fixed text set and greedy
+(top-1) token agreement with the float32 reference, teacher-forced through the engine's
+own prompt-logprob path.
+
+    python benchmarks/quality.py --configs float32,bfloat16,int8,int4
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tokenmill.config import CacheConfig, EngineConfig  # noqa: E402
+from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
+from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
+from tokenmill.model.loader import load_model  # noqa: E402
+
+TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
+CONFIGS = {  # name -> (dtype, quantization)
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
+
+
+@dataclass
+class Quality:
+    perplexity: float
+    top1: list[int]
+
+    def agreement(self, ref: "Quality") -> float:
+        return sum(a == b for a, b in zip(self.top1, ref.top1)) / len(ref.top1)
+
+
+def load_config(name: str, path: str | None = None):
+    dtype, quant = CONFIGS[name]
+    return load_model(path, dtype, quant)
+
+
+def evaluate(loaded, text_path: str = TEXT) -> Quality:
+    with open(text_path, encoding="utf-8") as f:
+        text = f.read()
+    ids = loaded.tokenizer.encode(text)
+    engine = LLMEngine(loaded, EngineConfig(cache=CacheConfig(num_blocks=-(-len(ids) // 16) + 4,
+                                                              enable_prefix_caching=False)))
+    engine.add_request("q", ids, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))
+    plp = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
+    scored = [lp for lp in plp[1:]]
+    nll = -sum(lp.logprob for lp in scored) / len(scored)
+    return Quality(math.exp(nll), [lp.top[0][0] for lp in scored])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--configs", default="float32,bfloat16,int8,int4")
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    ref = None
+    print(f"{'config':10} {'perplexity':>10} {'vs fp32':>8} {'top-1 agree':>11}")
+    for name in args.configs.split(","):
+        q = evaluate(load_config(name, args.model))
+        ref = ref or q
+        print(f"{name:10} {q.perplexity:10.3f} {100 * (q.perplexity / ref.perplexity - 1):+7.2f}% "
+              f"{100 * q.agreement(ref):10.2f}%")
+
+
+if __name__ == "__main__":
+    main()
