@@ -132,7 +132,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         # The output projection sets every logit: int4 there costs far more quality than
         # in the blocks (benchmarks/quality.py), so it stays at 8 bits.
         lm_head = linear(f32("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"),
-                         kind="int8")
+                         kind="int8" if quantization != "none" else "none")
     return LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
 
 
