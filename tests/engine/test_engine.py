@@ -218,11 +218,12 @@ def test_interactive_takes_a_batch_slot(tiny):
 
 
 @pytest.mark.parametrize("budget", [512, 7])
-def test_native_attention_matches_torch_path(tiny, budget):
-    from tokenmill.model.kernels import paged_attention_ext
+def test_native_attention_matches_torch_path(budget):
+    from tokenmill.model.kernels import native_ops
 
-    if paged_attention_ext() is None:
+    if native_ops() is None:
         pytest.skip("no C++ toolchain: the torch path is the only path")
+    tiny = tiny_loaded(hidden=128, heads=2, kv_heads=1)  # head_dim 64: a size the kernel is built for
     reqs = {f"r{i}": (_prompt(5 + 9 * i, i), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                              logprobs=3)) for i in range(6)}
 

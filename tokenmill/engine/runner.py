@@ -17,7 +17,7 @@ import torch
 from tokenmill.engine.sampler import SamplingBatch, sample
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
-from tokenmill.model.kernels import paged_attention_ext
+from tokenmill.model.kernels import native_ops_for
 
 
 @dataclass
@@ -37,7 +37,7 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model, kv_cache, block_size: int, native_attention: bool = True):
         self.model = model
-        self.kernel = paged_attention_ext() if native_attention else None
+        self.kernel = native_ops_for(model.cfg.head_dim) if native_attention else None
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.vocab_size = model.cfg.vocab_size

@@ -1,6 +1,8 @@
-"""Native kernels, compiled on first use with torch's C++ extension builder.
+"""Native kernels (tokenmill/model/csrc), compiled on first use with torch's C++
+extension builder: paged attention that reads the KV cache through block tables, and
+the small fused ops of a decode step (add + rms_norm, rotary embedding).
 
-The build (about 40 s on two cores) is cached on disk by torch and shared between
+The build (about a minute on two cores) is cached on disk by torch and shared between
 processes (a file lock serializes concurrent builds). If it cannot be built, callers
 fall back to the pure-torch path and say so once in the log.
 """
@@ -14,15 +16,22 @@ from typing import Any
 
 log = logging.getLogger("tokenmill.model")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp")
+HEAD_DIMS = (64, 80, 96, 128)  # the head sizes paged_attention is instantiated for
+
+
+def native_ops_for(head_dim: int) -> Any | None:
+    """The native module if it is built and supports this model's head size."""
+    return native_ops() if head_dim in HEAD_DIMS else None
 
 
 @lru_cache(maxsize=None)  # one build per process; a compiled module is like an import
-def paged_attention_ext() -> Any | None:
+def native_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="tokenmill_paged_attention", sources=[os.path.join(_CSRC, "paged_attention.cpp")],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
+        return load(name="tokenmill_native", sources=[os.path.join(_CSRC, s) for s in _SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: run without it
-        log.warning("native paged attention unavailable, using the torch path: %s", str(exc).splitlines()[0])
+        log.warning("native kernels unavailable, using the torch path: %s", str(exc).splitlines()[0])
         return None

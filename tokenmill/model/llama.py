@@ -83,8 +83,10 @@ class LlamaModel:
         self.scale = cfg.head_dim ** -0.5
         inv = rope_inv_freq(cfg, rope_freqs)
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
-        self.cos = freqs.cos().to(dtype)  # [max_pos, d/2]
-        self.sin = freqs.sin().to(dtype)
+        self.cos32 = freqs.cos()  # [max_pos, d/2], for the native rope
+        self.sin32 = freqs.sin()
+        self.cos = self.cos32.to(dtype)
+        self.sin = self.sin32.to(dtype)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # One fused op (it accumulates bf16 input in fp32); the reference's five-op form
@@ -102,7 +104,11 @@ class LlamaModel:
         """input_ids, positions [T] -> final hidden states [T, hidden].
 
         `kv_cache.layer(i)` gives layer i's (k, v) cache tensors [kv_heads, slots, head_dim].
+        With the native ops (meta.kernel) the residual add is fused into the next norm
+        and rotary embedding is applied in place.
         """
+        if meta.kernel is not None:
+            return self._forward_native(input_ids, positions, meta, kv_cache, meta.kernel)
         cfg = self.cfg
         T = input_ids.shape[0]
         H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -123,6 +129,31 @@ class LlamaModel:
             g, u = gu.chunk(2, dim=-1)
             h = h + layer.down(F.silu(g) * u)
         return self._rms_norm(h, self.norm)
+
+    def _forward_native(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        kv_cache, ops) -> torch.Tensor:
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        cos = self.cos32.index_select(0, positions)
+        sin = self.sin32.index_select(0, positions)
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)
+            ops.rope_(qkv, cos, sin, H + Hkv, d)
+            q = qkv[:, :H * d].view(T, H, d)
+            k = qkv[:, H * d:(H + Hkv) * d].view(T, Hkv, d)
+            v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
+            k_cache, v_cache = kv_cache.layer(i)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            x = ops.add_rms_norm(h, layer.o_proj(attn), layer.post_norm, eps)
+            g, u = layer.gate_up(x).chunk(2, dim=-1)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
+            x = ops.add_rms_norm(h, layer.down(F.silu(g) * u), next_norm, eps)
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@
 // (sequence, kv head); the query heads of a GQA group share each key as it is read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -15,46 +16,91 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
-template <typename scalar_t>
-void attend_one(const scalar_t* __restrict q,      // [n_q, H, d] rows of this sequence
+// One (sequence, kv head): every query row of the sequence, the GQA group together.
+// Blocks are widened to fp32 in a small buffer first, so the dot products and the
+// weighted sum run as plain fp32 loops the compiler vectorizes (-O3 -ffast-math).
+template <typename scalar_t, int D>
+void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this sequence
                 const scalar_t* __restrict k_head,  // this kv head's slots
                 const scalar_t* __restrict v_head,
-                const int64_t* __restrict table, int64_t block_size, int64_t n_q, int64_t seq_len,
-                int64_t kvh, int64_t H, int64_t d, int64_t g, float scale,
-                scalar_t* __restrict out) {  // [n_q, H, d]
-  std::vector<float> qf(g * d), scores(seq_len), acc(d);
+                const int64_t* __restrict table, int64_t bs, int64_t n_q, int64_t seq_len,
+                int64_t kvh, int64_t H, int64_t g, float scale,
+                scalar_t* __restrict out) {  // [n_q, H, D]
+  std::vector<float> qf(g * D), scores(g * seq_len), acc(g * D), buf(bs * D);
   for (int64_t i = 0; i < n_q; ++i) {
     const int64_t visible = seq_len - n_q + i + 1;  // causal: keys 0 .. position of query i
+    const int64_t nblocks = (visible + bs - 1) / bs;
     for (int64_t j = 0; j < g; ++j) {
-      const scalar_t* qrow = q + (i * H + kvh * g + j) * d;
-      for (int64_t e = 0; e < d; ++e) qf[j * d + e] = to_f(qrow[e]) * scale;
+      const scalar_t* qrow = q + (i * H + kvh * g + j) * D;
+      for (int e = 0; e < D; ++e) qf[j * D + e] = to_f(qrow[e]) * scale;
+    }
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t n_t = std::min(bs, visible - b * bs);
+      const scalar_t* kb = k_head + table[b] * bs * D;
+      for (int64_t x = 0; x < n_t * D; ++x) buf[x] = to_f(kb[x]);
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = qf.data() + j * D;
+        float* sj = scores.data() + j * seq_len + b * bs;
+        for (int64_t t = 0; t < n_t; ++t) {
+          const float* kr = buf.data() + t * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int e = 0; e < D; ++e) s += qj[e] * kr[e];
+          sj[t] = s;
+        }
+      }
     }
     for (int64_t j = 0; j < g; ++j) {
-      const float* qj = qf.data() + j * d;
+      float* sj = scores.data() + j * seq_len;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < visible; ++t) {
-        const scalar_t* kr = k_head + (table[t / block_size] * block_size + t % block_size) * d;
-        float s = 0.f;
-        for (int64_t e = 0; e < d; ++e) s += qj[e] * to_f(kr[e]);
-        scores[t] = s;
-        mx = s > mx ? s : mx;
-      }
+      for (int64_t t = 0; t < visible; ++t) mx = sj[t] > mx ? sj[t] : mx;
       float sum = 0.f;
       for (int64_t t = 0; t < visible; ++t) {
-        scores[t] = std::exp(scores[t] - mx);
-        sum += scores[t];
+        sj[t] = std::exp(sj[t] - mx);
+        sum += sj[t];
       }
       const float inv = 1.f / sum;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < visible; ++t) {
-        const scalar_t* vr = v_head + (table[t / block_size] * block_size + t % block_size) * d;
-        const float p = scores[t] * inv;
-        for (int64_t e = 0; e < d; ++e) acc[e] += p * to_f(vr[e]);
+      for (int64_t t = 0; t < visible; ++t) sj[t] *= inv;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t n_t = std::min(bs, visible - b * bs);
+      const scalar_t* vb = v_head + table[b] * bs * D;
+      for (int64_t x = 0; x < n_t * D; ++x) buf[x] = to_f(vb[x]);
+      for (int64_t j = 0; j < g; ++j) {
+        float* aj = acc.data() + j * D;
+        const float* pj = scores.data() + j * seq_len + b * bs;
+        for (int64_t t = 0; t < n_t; ++t) {
+          const float p = pj[t];
+          const float* vr = buf.data() + t * D;
+#pragma omp simd
+          for (int e = 0; e < D; ++e) aj[e] += p * vr[e];
+        }
       }
-      scalar_t* orow = out + (i * H + kvh * g + j) * d;
-      for (int64_t e = 0; e < d; ++e) orow[e] = static_cast<scalar_t>(acc[e]);
+    }
+    for (int64_t j = 0; j < g; ++j) {
+      scalar_t* orow = out + (i * H + kvh * g + j) * D;
+      for (int e = 0; e < D; ++e) orow[e] = static_cast<scalar_t>(acc[j * D + e]);
     }
   }
+}
+
+template <typename scalar_t, int D>
+void run_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+             const int64_t* tables, int64_t max_blocks, const int64_t* lens, const int64_t* qs, int64_t B,
+             int64_t block_size, float scale, torch::Tensor& out) {
+  const int64_t H = q.size(1), Hkv = k_cache.size(0), S = k_cache.size(1), g = H / Hkv;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv;
+      attend_one<scalar_t, D>(qp + qs[b] * H * D, kp + h * S * D, vp + h * S * D, tables + b * max_blocks,
+                              block_size, qs[b + 1] - qs[b], lens[b], h, H, g, scale, op + qs[b] * H * D);
+    }
+  });
 }
 
 }  // namespace
@@ -66,31 +112,21 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor query_start, int64_t block_size, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64);
-  const int64_t H = q.size(1), d = q.size(2), Hkv = k_cache.size(0), S = k_cache.size(1);
-  const int64_t B = seq_lens.size(0), g = H / Hkv, max_blocks = block_tables.size(1);
+  const int64_t d = q.size(2), B = seq_lens.size(0), max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
   auto bt = block_tables.contiguous();
   const int64_t* tables = bt.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* qs = query_start.data_ptr<int64_t>();
+  TORCH_CHECK(d == 64 || d == 128 || d == 96 || d == 80, "unsupported head_dim ", d);  // see kernels.py
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "paged_attention", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t w = begin; w < end; ++w) {
-        const int64_t b = w / Hkv, h = w % Hkv;
-        const int64_t n_q = qs[b + 1] - qs[b];
-        attend_one<scalar_t>(qp + qs[b] * H * d, kp + h * S * d, vp + h * S * d, tables + b * max_blocks,
-                             block_size, n_q, lens[b], h, H, d, g, static_cast<float>(scale),
-                             op + qs[b] * H * d);
-      }
-    });
+    const float sc = static_cast<float>(scale);
+    switch (d) {
+      case 64: run_all<scalar_t, 64>(q, k_cache, v_cache, tables, max_blocks, lens, qs, B, block_size, sc, out); break;
+      case 80: run_all<scalar_t, 80>(q, k_cache, v_cache, tables, max_blocks, lens, qs, B, block_size, sc, out); break;
+      case 96: run_all<scalar_t, 96>(q, k_cache, v_cache, tables, max_blocks, lens, qs, B, block_size, sc, out); break;
+      default: run_all<scalar_t, 128>(q, k_cache, v_cache, tables, max_blocks, lens, qs, B, block_size, sc, out);
+    }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention over the paged KV cache for short queries");
 }
