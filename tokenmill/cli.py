@@ -16,7 +16,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="tokenmill: a fast, metered, protected OpenAI-compatible LLM server.")
 
 MODEL_HELP = "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)."
-DTYPE_HELP = "Weight and compute dtype: float32 or bfloat16."
+DTYPE_HELP = "Compute dtype: float32 or bfloat16 (quantized weights always compute in bfloat16)."
+QUANT_HELP = ("Weight-only quantization: none, int8 or int4. The default, int4 (bfloat16 compute), is the "
+              "fastest setting within 1% perplexity of float32 (see benchmarks/quality.py).")
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_QUANT = "int4"
 
 
 def _fail(message: str) -> None:
@@ -24,14 +28,14 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def engine_config(model: Optional[str], dtype: str, kv_cache_gb: Optional[float], max_num_seqs: int,
-                  max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
+def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_gb: Optional[float],
+                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
                   enable_prefix_caching: bool, num_threads: Optional[int]):
     from tokenmill.config import CacheConfig, EngineConfig, ModelOptions
     from tokenmill.engine.scheduler import SchedulerConfig
 
     return EngineConfig(
-        model=ModelOptions(path=model, dtype=dtype),
+        model=ModelOptions(path=model, dtype=dtype, quantization=quantization),
         cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
@@ -40,20 +44,33 @@ def engine_config(model: Optional[str], dtype: str, kv_cache_gb: Optional[float]
     )
 
 
-def _load(model: Optional[str], dtype: str):
+def _cli_engine(model: Optional[str], dtype: str, quantization: str):
+    """An engine for the terminal commands: metadata checked now (one-line errors), weights
+    loaded on the engine thread when it starts."""
+    from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.model.config import ModelLoadError
-    from tokenmill.model.loader import load_model
 
     try:
-        return load_model(model, dtype)
+        engine = AsyncEngine.load(engine_config(model, dtype, quantization, 0.5, 8, 512, None, 16, True, None))
     except ModelLoadError as exc:
+        _fail(str(exc))
+    if engine.tokenizer is None:
+        _fail("this model has no tokenizer (tokenizer.json); cannot encode a text prompt")
+    return engine
+
+
+async def _start(engine) -> None:
+    try:
+        await engine.start()
+    except RuntimeError as exc:
         _fail(str(exc))
 
 
 @app.command()
 def serve(
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-    dtype: str = typer.Option("float32", "--dtype", help=DTYPE_HELP),
+    dtype: str = typer.Option(DEFAULT_DTYPE, "--dtype", help=DTYPE_HELP),
+    quantization: str = typer.Option(DEFAULT_QUANT, "--quantization", help=QUANT_HELP),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
@@ -83,8 +100,8 @@ def serve(
     cards: Optional[str] = typer.Option(None, "--cards", help="Rate card file or folder (default: shipped)."),
     usd_per_hour: Optional[float] = typer.Option(None, "--usd-per-hour",
                                                  help="This machine's cost, for a self-hosted card."),
-    engine_mode: str = typer.Option("thread", "--engine",
-                                    help="Where the step loop runs: thread (this process) or process."),
+    engine_mode: str = typer.Option("process", "--engine",
+                                    help="Where the step loop runs: process (a child process; measured faster) or thread."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."""
@@ -121,7 +138,7 @@ def serve(
     policy = ServicePolicy(keys=keys, defaults=defaults, card=card,
                            admission=AdmissionConfig(max_waiting_interactive=max_waiting,
                                                      max_waiting_batch=max_waiting_batch))
-    config = engine_config(model, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
+    config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
                            block_size, prefix_caching, num_threads)
     if engine_mode not in ("thread", "process"):
         _fail(f"--engine must be thread or process, got {engine_mode!r}")
@@ -129,9 +146,9 @@ def serve(
         if engine_mode == "process":
             from tokenmill.engine.process_engine import ProcessEngine
 
-            engine = ProcessEngine(model, dtype, config)
+            engine = ProcessEngine(config)
         else:
-            engine = AsyncEngine(_load(model, dtype), config)
+            engine = AsyncEngine.load(config)
     except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
     if engine.tokenizer is None:
@@ -151,22 +168,20 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     chat: bool = typer.Option(False, "--chat", help="Wrap PROMPT as one user message via the chat template."),
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-    dtype: str = typer.Option("float32", "--dtype", help=DTYPE_HELP),
+    dtype: str = typer.Option(DEFAULT_DTYPE, "--dtype", help=DTYPE_HELP),
+    quantization: str = typer.Option(DEFAULT_QUANT, "--quantization", help=QUANT_HELP),
 ) -> None:
     """Generate a continuation of PROMPT and print only the generated text."""
     import asyncio
 
-    from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     except InvalidParameter as exc:
         _fail(str(exc))
-    loaded = _load(model, dtype)
-    tok = loaded.tokenizer
-    if tok is None:
-        _fail("this model has no tokenizer (tokenizer.json); cannot encode a text prompt")
+    engine = _cli_engine(model, dtype, quantization)
+    tok = engine.tokenizer
     if chat:
         if tok.chat_template is None:
             _fail("this model has no chat template; drop --chat")
@@ -176,8 +191,7 @@ def generate(
         ids = tok.encode(prompt)
 
     async def run() -> None:
-        engine = AsyncEngine(loaded, engine_config(model, dtype, 0.5, 8, 512, None, 16, True, None))
-        await engine.start()
+        await _start(engine)
         try:
             async for out in engine.generate(uuid.uuid4().hex, ids, params):
                 sys.stdout.write(out.text)
@@ -192,7 +206,8 @@ def generate(
 @app.command()
 def chat(
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-    dtype: str = typer.Option("float32", "--dtype", help=DTYPE_HELP),
+    dtype: str = typer.Option(DEFAULT_DTYPE, "--dtype", help=DTYPE_HELP),
+    quantization: str = typer.Option(DEFAULT_QUANT, "--quantization", help=QUANT_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="A system message."),
     max_tokens: int = typer.Option(512, "--max-tokens"),
     temperature: float = typer.Option(0.7, "--temperature"),
@@ -200,18 +215,16 @@ def chat(
     """Interactive chat in the terminal (empty line or Ctrl-D to quit)."""
     import asyncio
 
-    from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.sampling_params import SamplingParams
 
-    loaded = _load(model, dtype)
-    tok = loaded.tokenizer
-    if tok is None or tok.chat_template is None:
+    engine = _cli_engine(model, dtype, quantization)
+    tok = engine.tokenizer
+    if tok.chat_template is None:
         _fail("this model has no chat template")
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
 
     async def run() -> None:
-        engine = AsyncEngine(loaded, engine_config(model, dtype, 0.5, 8, 512, None, 16, True, None))
-        await engine.start()
+        await _start(engine)
         try:
             while True:
                 try:

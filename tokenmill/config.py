@@ -15,6 +15,7 @@ from tokenmill.engine.scheduler import SchedulerConfig
 class ModelOptions:
     path: str | None = None  # None: the embedded SmolLM2 GGUF
     dtype: str = "float32"
+    quantization: str = "none"  # none | int8 | int4 (weight-only; computes in bfloat16)
     served_name: str | None = None
 
 

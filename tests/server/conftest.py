@@ -56,7 +56,9 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def server():
-    srv = ServerProcess("--max-num-seqs", "32").wait_ready()
+    # float32: the exact mode, whose outputs do not depend on batching or cache hits, so
+    # tests can compare texts; the default int4 mode is exercised by the other servers.
+    srv = ServerProcess("--max-num-seqs", "32", "--dtype", "float32", "--quantization", "none").wait_ready()
     yield srv
     srv.stop()
 

@@ -27,7 +27,7 @@ from tokenmill.engine.request import Priority
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import AdmissionLimits
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.loader import LoadedModel
+from tokenmill.model.loader import LoadedModel, load_metadata, load_model
 from tokenmill.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -155,27 +155,55 @@ def run_commands(engine: LLMEngine, cmds: list[AddCommand | AbortCommand]
 
 
 class AsyncEngine(EngineFront):
-    """The step loop in a background thread of this process."""
+    """The step loop in a background thread of this process.
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
-        super().__init__(loaded.tokenizer, loaded.config)
-        self.engine = LLMEngine(loaded, config)
-        self.limits = self.engine.limits
-        self._stats = self.engine.stats()
+    Build it with `AsyncEngine.load(config)` so that the model is loaded and every torch
+    op runs on the engine thread: once the main thread has run an OpenMP parallel
+    region, its idle workers slow every other thread's parallel regions about 2.5x
+    (measured; see the server issue note). An already-loaded model can be passed in too.
+    """
+
+    def __init__(self, loaded: LoadedModel | None, config: EngineConfig | None = None, *,
+                 model_config: ModelConfig | None = None, tokenizer: Tokenizer | None = None):
+        if loaded is not None:
+            model_config, tokenizer = loaded.config, loaded.tokenizer
+        assert model_config is not None
+        super().__init__(tokenizer, model_config)
+        self.config = config or EngineConfig()
+        self.engine: LLMEngine | None = None
+        if loaded is not None:
+            self._build(loaded)
         self._cmds: deque[AddCommand | AbortCommand] = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._ready = threading.Event()
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "AsyncEngine":
+        """Metadata now; weights, KV cache and step loop on the engine thread at start()."""
+        model_config, tokenizer = load_metadata(config.model.path)
+        return cls(None, config, model_config=model_config, tokenizer=tokenizer)
+
+    def _build(self, loaded: LoadedModel) -> None:
+        self.engine = LLMEngine(loaded, self.config)
+        self.limits = self.engine.limits
+        self._stats = self.engine.stats()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return (self._thread is not None and self._thread.is_alive() and self.error is None
+                and self.engine is not None)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self._ready.clear()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
+        await asyncio.to_thread(self._ready.wait)
+        if self.error is not None:
+            raise RuntimeError(f"engine failed to start: {self.error}")
 
     async def stop(self) -> None:
         with self._wake:
@@ -191,9 +219,18 @@ class AsyncEngine(EngineFront):
             self._wake.notify()
 
     def _run(self) -> None:
-        engine = self.engine
         loop = self._loop
         assert loop is not None
+        try:
+            if self.engine is None:
+                m = self.config.model
+                self._build(load_model(m.path, m.dtype, m.quantization))
+        except BaseException as exc:
+            self.error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        engine = self.engine
         try:
             while True:
                 with self._wake:

@@ -35,8 +35,8 @@ class GenerationResult:
 
 class LLM:
     def __init__(self, model: str | LoadedModel | None = None, dtype: str = "float32",
-                 config: EngineConfig | None = None):
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
+                 config: EngineConfig | None = None, quantization: str = "none"):
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype, quantization)
         self.engine = LLMEngine(loaded, config)
         self.tokenizer = loaded.tokenizer
         self._ids = itertools.count()

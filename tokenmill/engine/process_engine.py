@@ -24,12 +24,13 @@ log = logging.getLogger("tokenmill.engine")
 _STOP = "stop"
 
 
-def _child_main(model_path: str | None, dtype: str, config: EngineConfig, cmd_q: Any, out_q: Any) -> None:
+def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any) -> None:
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.model.loader import load_model
 
     try:
-        engine = LLMEngine(load_model(model_path, dtype), config)
+        m = config.model
+        engine = LLMEngine(load_model(m.path, m.dtype, m.quantization), config)
     except BaseException as exc:
         out_q.put(("failed", repr(exc)))
         return
@@ -55,14 +56,13 @@ def _child_main(model_path: str | None, dtype: str, config: EngineConfig, cmd_q:
 
 
 class ProcessEngine(EngineFront):
-    def __init__(self, model_path: str | None, dtype: str, config: EngineConfig | None = None):
-        model_config, tokenizer = load_metadata(model_path)
+    def __init__(self, config: EngineConfig):
+        model_config, tokenizer = load_metadata(config.model.path)
         super().__init__(tokenizer, model_config)
-        self._args = (model_path, dtype, config or EngineConfig())
         ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP threads
         self._cmd_q = ctx.Queue()
         self._out_q = ctx.Queue()
-        self._proc = ctx.Process(target=_child_main, args=(*self._args, self._cmd_q, self._out_q),
+        self._proc = ctx.Process(target=_child_main, args=(config, self._cmd_q, self._out_q),
                                  name="tokenmill-engine", daemon=True)
         self._reader: threading.Thread | None = None
 
