@@ -25,7 +25,7 @@ from tokenmill.engine.request import Priority
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.keys import Tenant, TenantLimits
-from tokenmill.server.limits import TokenBucket, format_duration, retry_after_header
+from tokenmill.server.limits import TokenBucket, format_duration, request_burst, retry_after_header
 from tokenmill.server.metrics import Metrics
 
 CLASS_PRIORITY = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
@@ -41,7 +41,7 @@ class TenantState:
     def __init__(self, tenant: Tenant, clock: Callable[[], float]):
         lim = tenant.limits
         self.tenant = tenant
-        self.requests = TokenBucket(lim.rpm, 60.0, clock) if lim.rpm else None
+        self.requests = TokenBucket(lim.rpm, 60.0, clock, burst=request_burst(lim.rpm)) if lim.rpm else None
         self.tokens = TokenBucket(lim.tpm, 60.0, clock) if lim.tpm else None
         self.work = TokenBucket(lim.work_budget_tokens, lim.work_window_s, clock) if lim.work_budget_tokens else None
         self.inflight = 0
@@ -50,7 +50,7 @@ class TenantState:
         h: dict[str, str] = {}
         for name, bucket in (("requests", self.requests), ("tokens", self.tokens)):
             if bucket is not None:
-                h[f"x-ratelimit-limit-{name}"] = str(bucket.capacity)
+                h[f"x-ratelimit-limit-{name}"] = str(bucket.limit)
                 h[f"x-ratelimit-remaining-{name}"] = str(bucket.remaining)
                 h[f"x-ratelimit-reset-{name}"] = format_duration(bucket.reset_s)
         return h

@@ -23,14 +23,26 @@ class Refusal:
     code: str
 
 
+def request_burst(per_minute: int) -> int:
+    """How many requests may arrive back to back under a per-minute limit: ten seconds'
+    worth, at least 5 (never more than the limit). Like OpenAI's limits "enforced over
+    shorter periods", this holds a flood near its rate instead of letting a whole
+    minute's quota through at once."""
+    return min(per_minute, max(5, math.ceil(per_minute / 6)))
+
+
 class TokenBucket:
-    def __init__(self, capacity: int, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, capacity: int, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 burst: int | None = None):
+        """`capacity` per `window_s`, refilled continuously; at most `burst` (default:
+        capacity) can be taken at once."""
         if capacity < 1:
             raise ValueError("a rate limit must be at least 1 per window")
-        self.capacity = capacity
+        self.limit = capacity
+        self.capacity = burst or capacity
         self.rate = capacity / window_s  # per second
         self.clock = clock
-        self._level = float(capacity)
+        self._level = float(self.capacity)
         self._t = clock()
         self._lock = threading.Lock()
 
