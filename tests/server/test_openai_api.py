@@ -136,6 +136,21 @@ def test_cached_tokens_reported(client):
     assert r.usage.prompt_tokens_details.cached_tokens >= (r.usage.prompt_tokens // 16 - 1) * 16 > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_counted_once_per_prompt(client, stream):
+    """Each engine update repeats the prompt's cached count: summing them once over-counted
+    cached tokens (past the prompt itself) and failed pricing mid-stream."""
+    prompt = f"Cache accounting, streamed={stream}. " + "The quick brown fox jumps over the lazy dog. " * 8
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    kw = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    r = client.completions.create(model=MODEL, prompt=[prompt, prompt], max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True}, **kw)
+    usage = [c.usage for c in r if c.usage][-1] if stream else r.usage
+    per_prompt = usage.prompt_tokens // 2
+    assert usage.prompt_tokens_details.cached_tokens == 2 * ((per_prompt - 1) // 16) * 16
+    assert usage.completion_tokens == 16
+
+
 @pytest.mark.slow
 def test_32_concurrent_requests(client, aclient):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]

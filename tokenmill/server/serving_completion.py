@@ -78,6 +78,7 @@ class ServingCompletion(BaseServing):
         n = body.n
         choices = {p * n + i: Choice(p * n + i) for p in range(len(prompts)) for i in range(n)}
         lps: dict[int, list] = {k: [] for k in choices}
+        cached_by_prompt: dict[int, int] = {}  # each update repeats its prompt's figure
         cached = 0
         num_prompt = sum(len(ids) for _, ids in prompts)
         async for p, out in merge_streams(streams):
@@ -93,7 +94,8 @@ class ServingCompletion(BaseServing):
                 lps[c.index] += out.logprobs
             c.num_output_tokens = out.num_output_tokens
             if out.index == 0:
-                cached += out.num_cached_tokens
+                cached_by_prompt[p] = out.num_cached_tokens
+            cached = sum(cached_by_prompt.values())
             if out.finished:
                 c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
             self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
@@ -119,6 +121,7 @@ class ServingCompletion(BaseServing):
         num_prompt = sum(len(ids) for _, ids in prompts)
         offsets: dict[int, int] = {}
         outputs: dict[int, int] = {}
+        cached_by_prompt: dict[int, int] = {}  # each update repeats its prompt's figure
         cached = 0
         async for p, out in merge_streams(streams):
             self.record(out)
@@ -133,7 +136,8 @@ class ServingCompletion(BaseServing):
                         lps = self._echo_logprobs(out, prompts[p][1]) + lps
             outputs[index] = out.num_output_tokens
             if out.index == 0:
-                cached += out.num_cached_tokens
+                cached_by_prompt[p] = out.num_cached_tokens
+            cached = sum(cached_by_prompt.values())
             self.progress(ctx, num_prompt, cached, sum(outputs.values()))
             if text or out.finished or lps:
                 logprobs = None
