@@ -7,9 +7,10 @@ Weights are quantized at load time, round-to-nearest:
   int4: asymmetric, groups of 32 along the input (the same grid as GGUF's Q4_1, so a
         Q4_1 checkpoint's 4-bit codes are recovered almost exactly).
 The packed kernels only win while the batch is a few rows (measured on the 2-core
-target: int4 beats a dense bf16 matmul up to 4 rows and loses from 8). Batched decode
-and prefill are compute-bound, so every quantized layer also keeps its dequantized
-weight in bf16 and uses it from `dense_from_rows` rows on. That spends memory (a
+target over whole decode steps: int4 beats dense bf16 up to ~16 rows; a lone matmul
+whose weight sits in cache suggests 8, but a real step streams every weight from
+memory). Larger batches and prefill are compute-bound, so every quantized layer also
+keeps its dequantized weight in bf16 and uses it from `dense_from_rows` rows on. That spends memory (a
 135M model: 70 MB packed + 270 MB dense) to be fastest at both ends; the quality is
 that of the quantized weights either way.
 """
@@ -23,7 +24,7 @@ GROUP = 32
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
-DENSE_FROM_ROWS = 8
+DENSE_FROM_ROWS = 16
 
 
 class _Quantized:
