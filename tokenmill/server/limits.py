@@ -24,11 +24,11 @@ class Refusal:
 
 
 def request_burst(per_minute: int) -> int:
-    """How many requests may arrive back to back under a per-minute limit: ten seconds'
-    worth, at least 5 (never more than the limit). Like OpenAI's limits "enforced over
-    shorter periods", this holds a flood near its rate instead of letting a whole
-    minute's quota through at once."""
-    return min(per_minute, max(5, math.ceil(per_minute / 6)))
+    """How many requests may arrive back to back under a per-minute limit: five seconds'
+    worth, at least 3 (never more than the limit). Like OpenAI's limits "enforced over
+    shorter periods", this holds a flood near its rate instead of letting a large slice
+    of the minute's quota land on the engine at once."""
+    return min(per_minute, max(3, math.ceil(per_minute / 12)))
 
 
 class TokenBucket:
