@@ -2,7 +2,9 @@
 // separate torch op costs more in dispatch (and OpenMP fork/join) than in arithmetic.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <immintrin.h>
 
 namespace {
 
@@ -87,4 +89,75 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
       }
     });
   });
+}
+
+// y[m, n] = scale[n] * sum_k w[n, k] * x[m, k] for a few rows of x: the int8 weight-only
+// matmul of decode. torch's packed int8 kernel reads the output projection (vocab x
+// hidden) well below memory speed; this converts each weight vector once and feeds it
+// to up to four rows of x (float copies that stay in L1).
+namespace {
+
+#if defined(__AVX512F__)
+template <int R>
+void gemv_rows_avx512(const float* xp, const int8_t* wp, const float* sp, float* yp, int64_t K, int64_t N,
+                      int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = wp + n * K;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m512 w16 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k))));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w16, _mm512_loadu_ps(xp + r * K + k), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float tail = 0.f;
+      for (int64_t t = k; t < K; ++t) tail += static_cast<float>(wr[t]) * xp[r * K + t];
+      yp[r * N + n] = (_mm512_reduce_add_ps(acc[r]) + tail) * sp[n];
+    }
+  }
+}
+#endif
+
+void gemv_rows_scalar(const float* xp, const int8_t* wp, const float* sp, float* yp, int64_t R, int64_t K,
+                      int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = wp + n * K;
+    for (int64_t r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(wr[k]) * xp[r * K + k];
+      yp[r * N + n] = acc * sp[n];
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(), "w: contiguous int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales: float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && scales.numel() == N);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t R = std::min<int64_t>(4, M - m0);
+    const float* xp = xf.data_ptr<float>() + m0 * K;
+    float* yp = out.data_ptr<float>() + m0 * N;
+    at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+#if defined(__AVX512F__)
+      switch (R) {
+        case 1: return gemv_rows_avx512<1>(xp, wp, sp, yp, K, N, n0, n1);
+        case 2: return gemv_rows_avx512<2>(xp, wp, sp, yp, K, N, n0, n1);
+        case 3: return gemv_rows_avx512<3>(xp, wp, sp, yp, K, N, n0, n1);
+        default: return gemv_rows_avx512<4>(xp, wp, sp, yp, K, N, n0, n1);
+      }
+#else
+      gemv_rows_scalar(xp, wp, sp, yp, R, K, N, n0, n1);
+#endif
+    });
+  }
+  return out;
 }

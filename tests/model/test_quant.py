@@ -1,0 +1,57 @@
+"""Weight-only quantized linears: every kernel (packed, dense copy, native one-row int8)
+computes the product with the same dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.model.kernels import native_ops
+from tokenmill.model.quant import DENSE_FROM_ROWS, Int4Linear, Int8Linear
+
+
+def _weight(n=208, k=128, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("rows", [1, 3, DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 40])
+def test_quantized_linear_matches_its_dequantized_weight(cls, rows):
+    w = _weight()
+    bias = torch.randn(w.shape[0])
+    lin = cls(w, bias)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    want = x.float() @ lin.dequantize().T + bias
+    got = lin(x).float()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # bf16 activations and outputs: relative error of a few bf16 ulps
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("cls,max_err", [(Int8Linear, 0.01), (Int4Linear, 0.1)])
+def test_quantization_error_is_bounded(cls, max_err):
+    w = _weight(k=256)
+    err = (cls(w).dequantize() - w).abs().max() / w.abs().max()
+    assert 0 < err < max_err
+
+
+def test_int4_falls_back_to_int8_for_shapes_it_cannot_pack():
+    from tokenmill.model.quant import quantize_linear
+
+    assert isinstance(quantize_linear("int4", _weight(n=200), None), Int8Linear)  # N not in 16s
+    assert isinstance(quantize_linear("int4", _weight(k=48), None), Int8Linear)  # K not in 32s
+    assert isinstance(quantize_linear("int4", _weight(), None), Int4Linear)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_linear("int3", _weight(), None)
+
+
+def test_native_int8_gemv_matches_reference():
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("no C++ toolchain: torch's packed kernel is the only path")
+    lin = Int8Linear(_weight(n=1000, k=200))  # K not a multiple of 16: the tail loop runs
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = x.float() @ lin.dequantize().T
+        got = ops.int8_gemv(x, lin.qweight, lin.scales)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
