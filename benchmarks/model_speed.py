@@ -1,0 +1,140 @@
+"""Single-stream speed of the model: load time, prefill tokens/s (a 512-token prompt) and
+decode tokens/s (256 tokens), for tokenmill and for transformers' generate() on the same
+dequantized weights, in the same run, as ratios; and batch-1 decode against the
+memory-bandwidth bound (bytes of weights one decode step reads / measured copy bandwidth).
+
+    python benchmarks/model_speed.py [--dtypes float32,bfloat16] [--repeat 3]
+
+Each figure is the median of --repeat runs after one warm-up. tokenmill runs through its
+offline engine (paged KV, the same code path the server uses); transformers runs eager
+attention with its own dynamic KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
+from tokenmill.engine.llm import LLM  # noqa: E402
+from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
+from tokenmill.model.loader import default_model_path, load_model  # noqa: E402
+
+TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
+# name -> (dtype, quantization); transformers has no counterpart for our int4 kernels, so
+# that row is compared against transformers in bfloat16.
+CONFIGS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int4": ("bfloat16", "int4")}
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    with open(TEXT, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read())
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def ours(name: str, prompt: list[int], decode_tokens: int, repeat: int) -> dict[str, float]:
+    dtype, quant = CONFIGS[name]
+    t0 = time.perf_counter()
+    loaded = load_model(None, dtype, quant)
+    load_s = time.perf_counter() - t0
+    # No prefix caching: every run must prefill the whole prompt.
+    llm = LLM(loaded, config=EngineConfig(cache=CacheConfig(kv_cache_gb=0.25, enable_prefix_caching=False)))
+    prefill, decode = [], []
+    for i in range(repeat + 1):
+        t = time.perf_counter()
+        llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))
+        p = len(prompt) / (time.perf_counter() - t)
+        res = llm.generate(prompt, SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True))
+        times = res[0].outputs[0].times
+        d = (decode_tokens - 1) / (times.finished - times.first_token)
+        if i:  # the first run is a warm-up
+            prefill.append(p)
+            decode.append(d)
+    return {"load_s": load_s, "prefill": statistics.median(prefill), "decode": statistics.median(decode),
+            "step_bytes": loaded.model.weight_bytes}
+
+
+def copy_bandwidth(mb: int = 1024, repeat: int = 5) -> float:
+    """Memory bandwidth in bytes/s as a large tensor copy sees it (read + write counted)."""
+    src = torch.empty(mb * 2**20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best
+
+
+def reference(dtype: str, prompt: list[int], decode_tokens: int, repeat: int) -> dict[str, float]:
+    import transformers
+
+    path = default_model_path()
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype))
+    model.eval()
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([prompt])
+    prefill, decode = [], []
+    with torch.inference_mode():
+        for i in range(repeat + 1):
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, do_sample=False)
+            pre_s = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
+            total_s = time.perf_counter() - t
+            if i:
+                prefill.append(len(prompt) / pre_s)
+                decode.append((decode_tokens - 1) / max(total_s - pre_s, 1e-9))
+    return {"load_s": load_s, "prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16,int4")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(default_num_threads())
+    tok = load_model(None, "float32").tokenizer
+    prompt = prompt_ids(tok, args.prompt_tokens)
+    print(f"threads {torch.get_num_threads()}, prompt {len(prompt)} tokens, decode {args.decode_tokens} tokens, "
+          f"median of {args.repeat}")
+    header = (f"| config | load s (tm / hf) | prefill tok/s (tm / hf) | ratio | decode tok/s (tm / hf) | ratio |\n"
+              f"|---|---|---|---|---|---|")
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows, bound_rows = [], []
+    for name in args.dtypes.split(","):
+        a = ours(name, prompt, args.decode_tokens, args.repeat)
+        b = reference(CONFIGS[name][0], prompt, args.decode_tokens, args.repeat)
+        rows.append(f"| {name} | {a['load_s']:.2f} / {b['load_s']:.2f} | {a['prefill']:.0f} / {b['prefill']:.0f} | "
+                    f"{a['prefill'] / b['prefill']:.2f}x | {a['decode']:.1f} / {b['decode']:.1f} | "
+                    f"{a['decode'] / b['decode']:.2f}x |")
+        print(rows[-1], flush=True)
+        bound = bandwidth / a["step_bytes"]
+        bound_rows.append(f"| {name} | {a['step_bytes'] / 1e6:.0f} | {bound:.0f} | {a['decode']:.1f} | "
+                          f"{a['decode'] / bound:.0%} |")
+    print(f"\nbatch-1 decode vs the memory-bandwidth bound ({bandwidth / 1e9:.1f} GB/s copy bandwidth)")
+    print("| config | weight MB read per step | bound tok/s | measured tok/s | of bound |\n|---|---|---|---|---|")
+    print("\n".join(bound_rows))
+    print()
+    print(header)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
