@@ -22,20 +22,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from common import CONFIGS, eval_ids  # noqa: E402
 from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
 from tokenmill.engine.llm import LLM  # noqa: E402
 from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenmill.model.loader import default_model_path, load_model  # noqa: E402
 
-TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
-# name -> (dtype, quantization); transformers has no counterpart for our int4 kernels, so
-# that row is compared against transformers in bfloat16.
-CONFIGS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int4": ("bfloat16", "int4")}
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
-    with open(TEXT, encoding="utf-8") as f:
-        ids = tokenizer.encode(f.read())
+    ids = eval_ids(tokenizer)
     while len(ids) < n:
         ids = ids + ids
     return ids[:n]
@@ -120,6 +116,7 @@ def main() -> None:
     rows, bound_rows = [], []
     for name in args.dtypes.split(","):
         a = ours(name, prompt, args.decode_tokens, args.repeat)
+        # transformers has no counterpart of our int4 kernels: that row compares with its bf16
         b = reference(CONFIGS[name][0], prompt, args.decode_tokens, args.repeat)
         rows.append(f"| {name} | {a['load_s']:.2f} / {b['load_s']:.2f} | {a['prefill']:.0f} / {b['prefill']:.0f} | "
                     f"{a['prefill'] / b['prefill']:.2f}x | {a['decode']:.1f} / {b['decode']:.1f} | "

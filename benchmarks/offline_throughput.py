@@ -20,20 +20,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from common import CONFIGS, eval_ids  # noqa: E402
 from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
 from tokenmill.engine.llm import LLM  # noqa: E402
 from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenmill.engine.scheduler import SchedulerConfig  # noqa: E402
 from tokenmill.model.loader import default_model_path, load_model  # noqa: E402
 
-TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
-CONFIGS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int4": ("bfloat16", "int4")}
 
 
 def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """`count` different prompts of length-20..length+20 tokens: windows over a fixed text."""
-    with open(TEXT, encoding="utf-8") as f:
-        ids = tokenizer.encode(f.read())
+    ids = eval_ids(tokenizer)
     prompts = []
     for i in range(count):
         n = length - 20 + (i * 7) % 41

@@ -20,18 +20,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from common import CONFIGS, eval_ids  # noqa: E402
 from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
 from tokenmill.engine.llm import LLM  # noqa: E402
 from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenmill.model.loader import load_model  # noqa: E402
 
-TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
-CONFIGS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int4": ("bfloat16", "int4")}
 
 
 def corpus(tokenizer) -> list[int]:
-    with open(TEXT, encoding="utf-8") as f:
-        ids = tokenizer.encode(f.read())
+    ids = eval_ids(tokenizer)
     while len(ids) < 8000:
         ids = ids + list(reversed(ids))  # long enough for distinct windows; content is irrelevant
     return ids

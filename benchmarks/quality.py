@@ -15,18 +15,12 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from common import CONFIGS, TEXT  # noqa: E402
 from tokenmill.config import CacheConfig, EngineConfig  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
 from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenmill.model.loader import load_model  # noqa: E402
 
-TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
-CONFIGS = {  # name -> (dtype, quantization)
-    "float32": ("float32", "none"),
-    "bfloat16": ("bfloat16", "none"),
-    "int8": ("bfloat16", "int8"),
-    "int4": ("bfloat16", "int4"),
-}
 
 
 @dataclass

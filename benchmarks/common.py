@@ -1,0 +1,19 @@
+"""What the model benchmarks share: the evaluation text and the named configurations."""
+
+from __future__ import annotations
+
+import os
+
+TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
+CONFIGS = {  # name -> (dtype, quantization)
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
+
+
+def eval_ids(tokenizer) -> list[int]:
+    """The evaluation text as token ids."""
+    with open(TEXT, encoding="utf-8") as f:
+        return tokenizer.encode(f.read())
