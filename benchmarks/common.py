@@ -17,3 +17,15 @@ def eval_ids(tokenizer) -> list[int]:
     """The evaluation text as token ids."""
     with open(TEXT, encoding="utf-8") as f:
         return tokenizer.encode(f.read())
+
+
+def load_reference(dtype: str):
+    """transformers' model from the embedded GGUF, in eval mode: the baseline."""
+    import torch
+    import transformers
+
+    from tokenmill.model.loader import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)).eval()

@@ -22,11 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from common import CONFIGS, eval_ids  # noqa: E402
+from common import CONFIGS, eval_ids, load_reference  # noqa: E402
 from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
 from tokenmill.engine.llm import LLM  # noqa: E402
 from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
-from tokenmill.model.loader import default_model_path, load_model  # noqa: E402
+from tokenmill.model.loader import load_model  # noqa: E402
 
 
 
@@ -73,13 +73,8 @@ def copy_bandwidth(mb: int = 1024, repeat: int = 5) -> float:
 
 
 def reference(dtype: str, prompt: list[int], decode_tokens: int, repeat: int) -> dict[str, float]:
-    import transformers
-
-    path = default_model_path()
     t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype))
-    model.eval()
+    model = load_reference(dtype)
     load_s = time.perf_counter() - t0
     ids = torch.tensor([prompt])
     prefill, decode = [], []

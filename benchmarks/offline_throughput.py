@@ -20,12 +20,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from common import CONFIGS, eval_ids  # noqa: E402
+from common import CONFIGS, eval_ids, load_reference  # noqa: E402
 from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
 from tokenmill.engine.llm import LLM  # noqa: E402
 from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenmill.engine.scheduler import SchedulerConfig  # noqa: E402
-from tokenmill.model.loader import default_model_path, load_model  # noqa: E402
+from tokenmill.model.loader import load_model  # noqa: E402
 
 
 
@@ -54,11 +54,7 @@ def ours(loaded, prompts, out_tokens: int, max_num_seqs: int) -> float:
 
 
 def reference(dtype: str, prompts, out_tokens: int) -> float:
-    import transformers
-
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)).eval()
+    model = load_reference(dtype)
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0][:32]]), max_new_tokens=4, do_sample=False)
         t = time.perf_counter()

@@ -103,10 +103,10 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     def w(name: str) -> torch.Tensor:
         return weights[name].to(dtype).contiguous()
 
-    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = quantization):
-        if kind == "none":
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if quantization == "none":
             return DenseLinear(weight.to(dtype).contiguous(), bias)
-        return quantize_linear(kind, weight, bias)
+        return quantize_linear(quantization, weight, bias)
 
     def f32(name: str) -> torch.Tensor:
         return weights[name].float()
@@ -129,12 +129,10 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     if quantization == "none" and cfg.tie_word_embeddings:
         lm_head = DenseLinear(embed)  # one tensor for both
     else:
+        head = f32("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
         # The output projection sets every logit: int4 there costs far more quality than
         # in the blocks (benchmarks/quality.py), so it stays at 8 bits.
-        lm_head = linear(f32("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"),
-                         kind="int8" if quantization != "none" else "none")
-        if isinstance(lm_head, Int8Linear):
-            lm_head.float_out = True
+        lm_head = linear(head) if quantization == "none" else Int8Linear(head, float_out=True)
     return LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
 
 

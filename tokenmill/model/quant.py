@@ -47,7 +47,7 @@ class _Quantized:
 
 class Int8Linear(_Quantized):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 dense_from_rows: int = DENSE_FROM_ROWS):
+                 dense_from_rows: int = DENSE_FROM_ROWS, float_out: bool = False):
         w = weight.float()
         self.scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.qweight = (w / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -56,9 +56,9 @@ class Int8Linear(_Quantized):
         self.out_features, self.in_features = w.shape
         self.dense_from_rows = dense_from_rows
         self.dense = self.dequantize().to(torch.bfloat16)
-        # The output projection's float32 result is kept as logits: rounded to bf16
-        # (steps of 0.125 near 20) the top logits tie and greedy picks the wrong one.
-        self.float_out = False
+        # For the output projection the one-row kernel's float32 result is kept as the
+        # logits: rounded to bf16 (steps of 0.125 near 20) top logits tie and greedy errs.
+        self.float_out = float_out
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
