@@ -2,7 +2,13 @@
 (top-1) token agreement with the float32 reference, teacher-forced through the engine's
 own prompt-logprob path.
 
-    python benchmarks/quality.py --configs float32,bfloat16,int8,int4
+    python benchmarks/quality.py --configs float32,bfloat16,int8,int4 [--decode-kernels]
+
+Teacher forcing runs the prompt path, where quantized layers use their dense bf16 copy
+(the quantized weights, bf16 activations). With --decode-kernels every quantized layer
+is forced onto its small-batch kernel instead, which on AVX-512 VNNI machines also
+rounds the activations to int8: the quality that decode steps actually get. Those
+configurations print with a "+dk" suffix.
 """
 
 from __future__ import annotations
@@ -32,9 +38,15 @@ class Quality:
         return sum(a == b for a, b in zip(self.top1, ref.top1)) / len(ref.top1)
 
 
-def load_config(name: str, path: str | None = None):
+def load_config(name: str, path: str | None = None, decode_kernels: bool = False):
     dtype, quant = CONFIGS[name]
-    return load_model(path, dtype, quant)
+    loaded = load_model(path, dtype, quant)
+    if decode_kernels:
+        m = loaded.model
+        for lin in [m.lm_head] + [x for layer in m.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]:
+            if hasattr(lin, "dense_from_rows"):
+                lin.dense_from_rows = 1 << 62
+    return loaded
 
 
 def evaluate(loaded, text_path: str = TEXT) -> Quality:
@@ -57,14 +69,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--configs", default="float32,bfloat16,int8,int4")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--decode-kernels", action="store_true",
+                    help="also evaluate each quantized config through its small-batch kernels")
     args = ap.parse_args()
     ref = None
     print(f"{'config':10} {'perplexity':>10} {'vs fp32':>8} {'top-1 agree':>11}")
-    for name in args.configs.split(","):
-        q = evaluate(load_config(name, args.model))
+    runs = [(name, False) for name in args.configs.split(",")]
+    if args.decode_kernels:
+        runs += [(name, True) for name in args.configs.split(",") if CONFIGS[name][1] != "none"]
+    for name, dk in runs:
+        q = evaluate(load_config(name, args.model, dk))
         ref = ref or q
-        print(f"{name:10} {q.perplexity:10.3f} {100 * (q.perplexity / ref.perplexity - 1):+7.2f}% "
-              f"{100 * q.agreement(ref):10.2f}%")
+        label = name + ("+dk" if dk else "")
+        print(f"{label:10} {q.perplexity:10.3f} {100 * (q.perplexity / ref.perplexity - 1):+7.2f}% "
+              f"{100 * q.agreement(ref):10.2f}%", flush=True)
 
 
 if __name__ == "__main__":

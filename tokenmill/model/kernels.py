@@ -9,6 +9,7 @@ fall back to the pure-torch path and say so once in the log.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -16,7 +17,7 @@ from typing import Any
 
 log = logging.getLogger("tokenmill.model")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "quant_gemv.cpp")
 HEAD_DIMS = (64, 80, 96, 128)  # the head sizes paged_attention is instantiated for
 
 
@@ -30,8 +31,16 @@ def native_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
+        # torch rebuilds when a source or a flag changes, not a header: the headers'
+        # hash rides along as a define
+        headers = hashlib.sha256()
+        for name in sorted(os.listdir(_CSRC)):
+            if name.endswith(".h"):
+                with open(os.path.join(_CSRC, name), "rb") as f:
+                    headers.update(f.read())
         return load(name="tokenmill_native", sources=[os.path.join(_CSRC, s) for s in _SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd",
+                                  f"-DTM_HEADERS={headers.hexdigest()[:16]}"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: run without it
         log.warning("native kernels unavailable, using the torch path: %s", str(exc).splitlines()[0])
         return None

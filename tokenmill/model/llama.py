@@ -141,18 +141,23 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         n = len(self.layers)
+        # a step of single-token decodes writes K/V and attends in one native op a layer
+        decode_only = meta.num_decodes == T and ops.decode_attention_available()
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             ops.rope_(qkv, cos, sin, H + Hkv, d)
-            q = qkv[:, :H * d].view(T, H, d)
-            k = qkv[:, H * d:(H + Hkv) * d].view(T, Hkv, d)
-            v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
             k_cache, v_cache = kv_cache.layer(i)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            if decode_only:
+                attn = ops.decode_attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                            meta.seq_lens, H, Hkv, meta.block_size, self.scale)
+            else:
+                q = qkv[:, :H * d].view(T, H, d)
+                k = qkv[:, H * d:(H + Hkv) * d].view(T, Hkv, d)
+                v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
+                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             x = ops.add_rms_norm(h, layer.o_proj(attn), layer.post_norm, eps)
-            g, u = layer.gate_up(x).chunk(2, dim=-1)
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
-            x = ops.add_rms_norm(h, layer.down(F.silu(g) * u), next_norm, eps)
+            x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), next_norm, eps)
         return x
 
     @torch.inference_mode()

@@ -103,10 +103,10 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     def w(name: str) -> torch.Tensor:
         return weights[name].to(dtype).contiguous()
 
-    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False):
         if quantization == "none":
             return DenseLinear(weight.to(dtype).contiguous(), bias)
-        return quantize_linear(quantization, weight, bias)
+        return quantize_linear(quantization, weight, bias, precise)
 
     def f32(name: str) -> torch.Tensor:
         return weights[name].float()
@@ -119,11 +119,14 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         gate_up = torch.cat([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
         layers.append(LlamaLayer(
             input_norm=w(p + "input_layernorm.weight"),
-            qkv=linear(qkv_w, qkv_b),
+            # The attention's input (a norm's output) and the down projection's (silu * up)
+            # carry outlier channels: rounding them to one int8 level cost +1.2% perplexity,
+            # two levels cost nothing measurable (benchmarks/quality.py --decode-kernels).
+            qkv=linear(qkv_w, qkv_b, precise=True),
             o_proj=linear(f32(p + "self_attn.o_proj.weight")),
             post_norm=w(p + "post_attention_layernorm.weight"),
             gate_up=linear(gate_up),
-            down=linear(f32(p + "mlp.down_proj.weight")),
+            down=linear(f32(p + "mlp.down_proj.weight"), precise=True),
         ))
     embed = w("model.embed_tokens.weight")
     if quantization == "none" and cfg.tie_word_embeddings:

@@ -1,21 +1,25 @@
-"""Weight-only quantized linears on torch's packed CPU kernels (bfloat16 activations).
+"""Weight-only quantized linears for bfloat16 (or float32) activations.
 
 Decode reads every weight once per step, so on a CPU its speed is the bytes of
 weights over memory bandwidth: int8 halves bf16's bytes and int4 quarters them.
 Weights are quantized at load time, round-to-nearest:
   int8: symmetric, one scale per output channel;
-  int4: asymmetric, groups of 32 along the input (the same grid as GGUF's Q4_1, so a
-        Q4_1 checkpoint's 4-bit codes are recovered almost exactly).
-The packed kernels only win while the batch is a few rows (measured on the 2-core
-target over whole decode steps: int4 beats dense bf16 up to ~16 rows; a lone matmul
-whose weight sits in cache suggests 8, but a real step streams every weight from
-memory). Larger batches and prefill are compute-bound, so every quantized layer also
-keeps its dequantized weight in bf16 and uses it from `dense_from_rows` rows on. That spends memory (a
-135M model: 70 MB packed + 270 MB dense) to be fastest at both ends; the quality is
-that of the quantized weights either way.
+  int4: asymmetric, groups of 32 along the input, w = q * d + m with float16 d and m:
+        GGUF's Q4_1 grid, so a Q4_1 checkpoint's codes are recovered exactly.
+Small batches (decode) run the native kernels of csrc/quant_gemv.cpp where the CPU has
+AVX-512 VNNI: the activations are quantized to int8 per group of 32 on the fly, as
+llama.cpp does, and the products are integer dot products; that keeps up with memory
+(torch's packed kernels, the fallback, unpack to floats and run at half that speed).
+The cost is the activation rounding, measured by benchmarks/quality.py --decode-kernels.
+Large batches and prefill are compute-bound, so every quantized layer also keeps its
+dequantized weight in bf16 and uses it from `dense_from_rows` rows on. That spends
+memory (a 135M model: ~95 MB packed + 270 MB dense) to be fastest at both ends; the
+weights are the quantized ones either way.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +27,61 @@ import torch.nn.functional as F
 from tokenmill.model.kernels import native_ops
 
 GROUP = 32
+TILE = 16  # output rows per tile of the native kernels, and torch's int4 packing's unit
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
+# Rows from which the dense bf16 copy is faster, measured over the layers of a decode
+# step (30 layers, weights streamed from memory) on the 2-core target: torch's int4
+# kernel loses from ~16 rows; the VNNI kernel still wins 1.7x at 16 and ties at ~48-64.
+# Precise layers (two int8 levels of activations) do twice the dot products: free at one
+# row, where memory is the limit, but the dense copy wins from ~12 rows.
 DENSE_FROM_ROWS = 16
+VNNI_DENSE_FROM_ROWS = 48
+VNNI_PRECISE_DENSE_FROM_ROWS = 12
+
+
+def _vnni_ops() -> Any | None:
+    """The native module when its int8-activation kernels use AVX-512 VNNI."""
+    ops = native_ops()
+    return ops if ops is not None and ops.quant_gemv_vnni() else None
+
+
+def _dense_from_rows(given: int | None, vnni: Any | None, precise: bool = False) -> int:
+    if given is not None:
+        return given
+    if vnni is None:
+        return DENSE_FROM_ROWS
+    return VNNI_PRECISE_DENSE_FROM_ROWS if precise else VNNI_DENSE_FROM_ROWS
+
+
+def _tileable(n: int, k: int) -> bool:
+    return n % TILE == 0 and k % GROUP == 0
+
+
+def pack_int4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Codes q [N, K] (0..15) and float16 d, m [N, K/32] into q4_gemv's layout
+    (csrc/quant_gemv.cpp): per tile of 16 rows, per group of 32 inputs, 4 chunks of
+    16 rows x 4 bytes (low nibbles inputs 4c..4c+3, high nibbles 16+4c..16+4c+3), then
+    the 16 rows' d and m: 320 bytes a group."""
+    n, k = q.shape
+    t, g = n // TILE, k // GROUP
+    v = q.view(t, TILE, g, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # tile, group, chunk, row, byte, nibble
+    codes = (v[..., 0] | (v[..., 1] << 4)).reshape(t, g, 256)
+    dm = torch.stack([d.view(t, TILE, g).transpose(1, 2), m.view(t, TILE, g).transpose(1, 2)], dim=2)
+    dm = dm.contiguous().view(torch.uint8).view(t, g, 4 * TILE)
+    return torch.cat([codes, dm], dim=-1).view(t, g * 320)
+
+
+def pack_int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] and float32 row scales into q8_gemv's layout: per tile of 16
+    rows, the 16 scales, then per group of 32 inputs 8 chunks of 16 rows x 4 inputs,
+    as q + 128 in bytes."""
+    n, k = q.shape
+    t = n // TILE
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    codes = u.view(t, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, -1)
+    return torch.cat([scales.float().contiguous().view(torch.uint8).view(t, 4 * TILE), codes], dim=-1)
 
 
 class _Quantized:
@@ -47,24 +102,27 @@ class _Quantized:
 
 class Int8Linear(_Quantized):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 dense_from_rows: int = DENSE_FROM_ROWS, float_out: bool = False):
+                 dense_from_rows: int | None = None, float_out: bool = False):
         w = weight.float()
         self.scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.qweight = (w / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.scales_bf16 = self.scales.to(torch.bfloat16)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = w.shape
-        self.dense_from_rows = dense_from_rows
         self.dense = self.dequantize().to(torch.bfloat16)
-        # For the output projection the one-row kernel's float32 result is kept as the
-        # logits: rounded to bf16 (steps of 0.125 near 20) top logits tie and greedy errs.
+        # For the output projection the kernels' float32 result is kept as the logits:
+        # rounded to bf16 (steps of 0.125 near 20) top logits tie and greedy errs.
         self.float_out = float_out
+        self._vnni = _vnni_ops() if _tileable(*w.shape) else None
+        self.tiles = pack_int8_tiles(self.qweight, self.scales) if self._vnni is not None else None
+        self.dense_from_rows = _dense_from_rows(dense_from_rows, self._vnni)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._vnni is not None:
+            return self._vnni.q8_gemv(x, self.tiles, self.float_out)
         if x.shape[0] == 1:
-            # One row (batch-1 decode): the native kernel reads the weight 1.4x faster
-            # (an output projection: 2.2 ms vs 3.1 ms on the 2-core target); from two
-            # rows on torch's kernel wins.
+            # One row without VNNI: float FMAs on the int8 weight still read it 1.4x
+            # faster than torch's packed kernel (an output projection: 2.2 vs 3.1 ms).
             ops = native_ops()
             if ops is not None:
                 y = ops.int8_gemv(x, self.qweight, self.scales)
@@ -77,53 +135,65 @@ class Int8Linear(_Quantized):
     @property
     def nbytes(self) -> int:
         """Bytes a small-batch step reads."""
-        return self.qweight.nbytes + self.scales_bf16.nbytes
+        return self.tiles.nbytes if self._vnni is not None else self.qweight.nbytes + self.scales_bf16.nbytes
 
 
 class Int4Linear(_Quantized):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 dense_from_rows: int = DENSE_FROM_ROWS):
+                 dense_from_rows: int | None = None, precise: bool = False):
         w = weight.float()
+        # precise: the VNNI kernel rounds activations to two int8 levels instead of one
+        self.precise = precise
         n, k = w.shape
-        if k % GROUP:
-            raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
+        if not _tileable(n, k):
+            raise ValueError(f"int4 needs in_features in {GROUP}s and out_features in {TILE}s, got {k}, {n}")
         g = w.view(n, k // GROUP, GROUP)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
-        # the kernel computes (q - 8) * scale + zero
-        zero = lo + 8.0 * scale
-        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        self._q = q.to(torch.uint8)
+        # w = q * d + m with d and m in float16, as GGUF's Q4_1 stores them (so a Q4_1
+        # checkpoint's codes come back exactly); codes are rounded against the stored d, m
+        self.d = ((hi - lo) / 15.0).clamp(min=1e-7).to(torch.float16)
+        self.m = lo.to(torch.float16)
+        d, m = self.d.float()[..., None], self.m.float()[..., None]
+        self._q = ((g - m) / d).round().clamp(0, 15).to(torch.uint8).view(n, k)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = n, k
-        self.dense_from_rows = dense_from_rows
         self.dense = self.dequantize().to(torch.bfloat16)
+        self._vnni = _vnni_ops()
+        self.dense_from_rows = _dense_from_rows(dense_from_rows, self._vnni, precise)
+        if self._vnni is not None:
+            self.tiles = pack_int4_tiles(self._q, self.d, self.m)
+        else:
+            # torch's kernel computes (q - 8) * scale + zero with bf16 scale and zero
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(self._q.to(torch.int32), 1)
+            self.scales_zeros = torch.stack([self.d.float(), self.m.float() + 8.0 * self.d.float()],
+                                            dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     def dequantize(self) -> torch.Tensor:
-        sz = self.scales_zeros.float()  # [k/G, n, 2]
-        scale, zero = sz[..., 0].t(), sz[..., 1].t()  # [n, k/G]
         q = self._q.view(self.out_features, -1, GROUP).float()
-        return ((q - 8.0) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
+        return (q * self.d.float()[..., None] + self.m.float()[..., None]).view(self.out_features, self.in_features)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._vnni is not None:
+            return self._vnni.q4_gemv(x, self.tiles, False, self.precise)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     @property
     def nbytes(self) -> int:
         """Bytes a small-batch step reads."""
+        if self._vnni is not None:
+            return self.tiles.nbytes
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
-def quantize_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None):
+def quantize_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, precise: bool = False):
+    """precise: the layer's inputs carry outlier channels (int4 only; see Int4Linear)."""
     if kind == "int8":
         return Int8Linear(weight, bias)
     if kind == "int4":
         n, k = weight.shape
-        if k % GROUP or n % 16:
+        if not _tileable(n, k):
             # torch's int4 packing needs whole groups along K and N in 16s; a layer of any
             # other shape keeps 8 bits rather than failing the load
             return Int8Linear(weight, bias)
-        return Int4Linear(weight, bias)
+        return Int4Linear(weight, bias, precise=precise)
     raise ValueError(f"unknown quantization {kind!r}; choose one of {QUANTIZATIONS}")

@@ -8,11 +8,25 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
+torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool precise);
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, bool float_out);
+bool quant_gemv_vnni();
+torch::Tensor silu_mul(torch::Tensor gu);
+bool decode_attention_available();
+torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+                               int64_t H, int64_t Hkv, int64_t block_size, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache for short queries");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; return rms_norm(residual) * weight");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused projection");
+  m.def("decode_attention", &decode_attention, "write a decode step's k/v into the cache and attend (one token per sequence)");
+  m.def("decode_attention_available", &decode_attention_available, "whether decode_attention was built (AVX-512)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate-up projection's output");
+  m.def("q4_gemv", &q4_gemv, "x @ int4 tiled weights with x quantized to int8 per group of 32 (few rows)");
+  m.def("q8_gemv", &q8_gemv, "x @ int8 tiled weights with x quantized to int8 per group of 32 (few rows)");
+  m.def("quant_gemv_vnni", &quant_gemv_vnni, "whether q4_gemv/q8_gemv were built with AVX-512 VNNI");
   m.def("int8_gemv", &int8_gemv, "x [M, K] @ (int8 w [N, K] * scales[:, None]).T in float32, for a few rows");
 }

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
 
 // Rows per parallel task: a decode batch of a few rows runs on the calling thread.
@@ -159,5 +161,53 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales) 
 #endif
     });
   }
+  return out;
+}
+
+namespace {
+// The vectorized part of a row; returns how many elements it did.
+template <typename T>
+int64_t silu_mul_simd(const T*, const T*, T*, int64_t) { return 0; }
+#if defined(__AVX512F__)
+template <typename T>
+int64_t silu_mul_avx512(const T* g, const T* u, T* o, int64_t I) {
+  int64_t e = 0;
+  for (; e + 16 <= I; e += 16) {
+    const __m512 gv = tm_simd::load16(g + e);
+    const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), tm_simd::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    tm_simd::store16(o + e, _mm512_mul_ps(s, tm_simd::load16(u + e)));
+  }
+  return e;
+}
+template <>
+int64_t silu_mul_simd(const float* g, const float* u, float* o, int64_t I) { return silu_mul_avx512(g, u, o, I); }
+template <>
+int64_t silu_mul_simd(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* o, int64_t I) {
+  return silu_mul_avx512(g, u, o, I);
+}
+#endif
+}  // namespace
+
+// gu [T, 2I] (gate then up) -> silu(gate) * up [T, I]: the MLP's activation in one pass.
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0);
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, row = gu.stride(0);
+  auto out = torch::empty({T, I}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, gu.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gu.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* g = gp + t * row;
+        const scalar_t* u = g + I;
+        scalar_t* o = op + t * I;
+        int64_t e = silu_mul_simd(g, u, o, I);
+        for (; e < I; ++e) {
+          const float gv = static_cast<float>(g[e]);
+          o[e] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * static_cast<float>(u[e]));
+        }
+      }
+    });
+  });
   return out;
 }

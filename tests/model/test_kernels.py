@@ -1,0 +1,121 @@
+"""Native decode kernels against plain-torch references: the fused decode attention
+(writes K/V, attends over the paged cache), silu*mul, and the int8-activation
+quantized matmuls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.kernels import native_ops
+from tokenmill.model.quant import GROUP, Int4Linear, Int8Linear
+
+ops = native_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ toolchain: the torch paths are the only ones")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (10, 2, 80), (4, 4, 128)])
+def test_decode_attention_matches_reference(dtype, H, Hkv, D):
+    if not ops.decode_attention_available():
+        pytest.skip("decode_attention needs AVX-512")
+    bs, lens = 16, [1, 17, 300, 700]  # one token; a partial block; several chunks to merge
+    B = len(lens)
+    nblocks = [-(-n // bs) for n in lens]
+    num_slots = (sum(nblocks) + 4) * bs
+    k_cache = torch.randn(Hkv, num_slots, D, generator=_gen(1)).to(dtype)
+    v_cache = torch.randn(Hkv, num_slots, D, generator=_gen(2)).to(dtype)
+    perm = torch.randperm(num_slots // bs, generator=_gen(3))  # scattered blocks
+    tables = torch.zeros(B, max(nblocks), dtype=torch.int64)
+    used = 0
+    for b, nb in enumerate(nblocks):
+        tables[b, :nb] = perm[used:used + nb]
+        used += nb
+    seq_lens = torch.tensor(lens)
+    pos = seq_lens - 1
+    slots = tables[torch.arange(B), pos // bs] * bs + pos % bs
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=_gen(4)).to(dtype)
+    scale = D ** -0.5
+    out = ops.decode_attention(qkv, k_cache, v_cache, slots, tables, seq_lens, H, Hkv, bs, scale)
+    assert out.shape == (B, H * D) and out.dtype == dtype
+    g = H // Hkv
+    for b, n in enumerate(lens):
+        k_new = qkv[b, H * D:(H + Hkv) * D].view(Hkv, D)
+        v_new = qkv[b, (H + Hkv) * D:].view(Hkv, D)
+        assert torch.equal(k_cache[:, slots[b]], k_new) and torch.equal(v_cache[:, slots[b]], v_new)
+        ctx = tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs
+        k = k_cache[:, ctx].float().repeat_interleave(g, dim=0)  # [H, n, D]
+        v = v_cache[:, ctx].float().repeat_interleave(g, dim=0)
+        q = qkv[b, :H * D].view(H, 1, D).float()
+        want = (torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1) @ v).view(H * D)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(out[b].float(), want, atol=tol, rtol=tol), (b, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [1536, 40])  # 40: a tail past the 16-lane loop
+def test_silu_mul(dtype, inter):
+    gu = (3 * torch.randn(5, 2 * inter, generator=_gen(0))).to(dtype)
+    g, u = gu.float().chunk(2, dim=-1)
+    want = F.silu(g) * u
+    got = ops.silu_mul(gu)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+
+
+def _quantized_activations(x):
+    """The kernels' activation rounding: int8 per 16 inputs, scale max|x| / 127."""
+    m, k = x.shape
+    g = x.float().view(m, k // 16, 16)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(g * torch.where(d > 0, 1 / d, 0))
+    return (q * d).view(m, k), x.float().view(m, k // GROUP, GROUP).sum(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_int4_kernel_matches_its_definition(rows):
+    lin = Int4Linear(torch.randn(96, 320, generator=_gen(0)) * 0.05)
+    if lin._vnni is None:
+        pytest.skip("no AVX-512 VNNI: torch's packed kernel runs instead")
+    x = torch.randn(rows, 320, generator=_gen(rows)).to(torch.bfloat16)
+    xa, sums = _quantized_activations(x)
+    # w = q * d + m: the q*d part meets the rounded activations, m the exact group sums
+    qd = (lin._q.view(96, -1, GROUP).float() * lin.d.float()[..., None]).view(96, 320)
+    want = xa @ qd.T + sums @ lin.m.float().T
+    got = lin._vnni.q4_gemv(x, lin.tiles, True, False)
+    # exact but for rare rounding ties of an activation (x * (1/d) vs torch's order)
+    assert (got - want).norm() / want.norm() < 3e-3
+    # the bf16 entry point rounds the same numbers
+    assert torch.allclose(lin(x).float(), got, rtol=1e-2, atol=1e-2 * got.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_kernel_matches_its_definition(rows):
+    lin = Int8Linear(torch.randn(48, 256, generator=_gen(0)), float_out=True)
+    if lin._vnni is None:
+        pytest.skip("no AVX-512 VNNI")
+    x = torch.randn(rows, 256, generator=_gen(rows)).to(torch.bfloat16)
+    xa, _ = _quantized_activations(x)
+    want = xa @ lin.dequantize().T
+    got = lin(x)
+    assert got.dtype == torch.float32
+    assert (got - want).norm() / want.norm() < 3e-3
+
+
+def test_int4_precise_mode_is_near_exact_activations():
+    w = torch.randn(64, 256, generator=_gen(0)) * 0.05
+    one, two = Int4Linear(w), Int4Linear(w, precise=True)
+    if one._vnni is None:
+        pytest.skip("no AVX-512 VNNI")
+    x = torch.randn(2, 256, generator=_gen(1))
+    x[:, 7] = 40.0  # an outlier channel, as a norm's output has
+    exact = x @ one.dequantize().T
+    err = {lin.precise: (lin._vnni.q4_gemv(x, lin.tiles, True, lin.precise) - exact).norm() / exact.norm()
+           for lin in (one, two)}
+    assert err[True] < 1e-4 < err[False]
