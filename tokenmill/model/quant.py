@@ -39,6 +39,7 @@ QUANTIZATIONS = ("none", "int8", "int4")
 DENSE_FROM_ROWS = 16
 VNNI_DENSE_FROM_ROWS = 48
 VNNI_PRECISE_DENSE_FROM_ROWS = 12
+VNNI_INT8_DENSE_FROM_ROWS = 24  # the output projection (49152 x 576): 1.18x at 16, 0.94x at 32
 
 
 def _vnni_ops() -> Any | None:
@@ -47,11 +48,13 @@ def _vnni_ops() -> Any | None:
     return ops if ops is not None and ops.quant_gemv_vnni() else None
 
 
-def _dense_from_rows(given: int | None, vnni: Any | None, precise: bool = False) -> int:
+def _dense_from_rows(given: int | None, vnni: Any | None, precise: bool = False, int8: bool = False) -> int:
     if given is not None:
         return given
     if vnni is None:
         return DENSE_FROM_ROWS
+    if int8:
+        return VNNI_INT8_DENSE_FROM_ROWS
     return VNNI_PRECISE_DENSE_FROM_ROWS if precise else VNNI_DENSE_FROM_ROWS
 
 
@@ -115,7 +118,7 @@ class Int8Linear(_Quantized):
         self.float_out = float_out
         self._vnni = _vnni_ops() if _tileable(*w.shape) else None
         self.tiles = pack_int8_tiles(self.qweight, self.scales) if self._vnni is not None else None
-        self.dense_from_rows = _dense_from_rows(dense_from_rows, self._vnni)
+        self.dense_from_rows = _dense_from_rows(dense_from_rows, self._vnni, int8=True)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self._vnni is not None:
