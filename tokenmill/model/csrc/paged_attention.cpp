@@ -148,6 +148,11 @@ constexpr int kMaxGroup = 16;
 using tm_simd::exp512;
 using tm_simd::load16;
 
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
 // Lane sums of 16 vectors: result[i] = sum of v[i]'s lanes (a transpose-and-add tree,
 // ~3 ops a vector instead of a full horizontal reduction each).
 inline __m512 reduce16(const __m512* v) {
@@ -235,6 +240,9 @@ void decode_chunk(const T* q, const T* kh, const T* vh, const int64_t* table, in
   for (int64_t t = t0, blk = t0 / bs; t < t1; ++blk) {
     const T* kr = kh + table[blk] * bs * D;
     const int64_t te = std::min(t1, t + bs);
+    // blocks are scattered, so the hardware prefetcher stops at each block's end
+    if (te < t1) prefetch_block(kh + table[blk + 1] * bs * D, bs * D * sizeof(T));
+    else prefetch_block(vh + table[t0 / bs] * bs * D, bs * D * sizeof(T));
     for (; t < te; ++t, kr += D) {
       const int64_t i = t - t0;
       qd.template dots<G>(kr, g, partial + (i & 15));
@@ -266,6 +274,7 @@ void decode_chunk(const T* q, const T* kh, const T* vh, const int64_t* table, in
   for (int64_t t = t0, blk = t0 / bs; t < t1; ++blk) {
     const T* vb = vh + table[blk] * bs * D;
     const int64_t te = std::min(t1, t + bs);
+    if (te < t1) prefetch_block(vh + table[blk + 1] * bs * D, bs * D * sizeof(T));
     for (int64_t u = t; u < te; u += 16) {
       const int64_t cnt = std::min<int64_t>(16, te - u);
       const float* rows;
