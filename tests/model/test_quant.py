@@ -58,3 +58,16 @@ def test_native_int8_gemv_matches_reference():
         want = x.float() @ lin.dequantize().T
         got = ops.int8_gemv(x, lin.qweight, lin.scales)
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_without_vnni_torch_kernels_compute_the_same_weights(cls, monkeypatch):
+    from tokenmill.model import quant
+
+    monkeypatch.setattr(quant, "_vnni_ops", lambda: None)  # a CPU without AVX-512 VNNI
+    w = _weight()
+    lin = cls(w)
+    assert lin._vnni is None and lin.dense_from_rows == quant.DENSE_FROM_ROWS
+    x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    want = x.float() @ lin.dequantize().T
+    assert torch.allclose(lin(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
