@@ -184,11 +184,7 @@ void q8_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512
   const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(w));
   for (int r = 0; r < R; ++r) out[r] = _mm512_mul_ps(acc[r], s);
 }
-#else
-constexpr bool kVnni = false;
-#endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // Kind: 0 int8, 1 int4, 2 int4 precise
 template <int R, int Kind>
 void tile_rows(const uint8_t* w, const QuantX& xq, int64_t m0, int64_t K, __m512* out) {
@@ -235,6 +231,8 @@ torch::Tensor gemv(const torch::Tensor& x_, const torch::Tensor& w, int64_t N, i
   return out;
 }
 #else
+constexpr bool kVnni = false;
+
 template <int Kind>
 torch::Tensor gemv(const torch::Tensor&, const torch::Tensor&, int64_t, int64_t, bool) {
   TORCH_CHECK(false, "the int8-activation kernels need AVX-512 VNNI (check quant_gemv_vnni())");
