@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -222,6 +223,67 @@ struct QueryDot<c10::BFloat16, D> {
 };
 #endif
 
+#if defined(__AVX512BF16__)
+// Weighted sum of bf16 values with the weights rounded to bf16 (as transformers' eager
+// attention does in bf16): two keys at a time, their rows interleaved so that one
+// vdpbf16ps adds p_t v_t + p_t+1 v_t+1 for 16 columns. The unpack interleaves within
+// 128-bit lanes, so accumulator lane i of chunk w, half h holds column
+// 32 w + 8 (i / 4) + 4 h + i % 4; the result is put back in order at the end.
+template <int D>
+void value_sum_bf16(const c10::BFloat16* vh, const int64_t* table, int64_t bs, int64_t t0, int64_t t1, int g,
+                    const float* s, float* part) {
+  constexpr int W = D / 32;
+  alignas(64) uint16_t pb[kMaxGroup * kChunk];
+  const int64_t n = t1 - t0;
+  for (int j = 0; j < g; ++j)
+    for (int64_t t = 0; t < n; t += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(s + j * kChunk + t));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + j * kChunk + t), reinterpret_cast<__m256i>(h));
+    }
+  // past the last key the weight is zero, so an odd count pairs with zeros
+  if (n % 2)
+    for (int j = 0; j < g; ++j) pb[j * kChunk + n] = 0;
+  __m512 acc[kMaxGroup * W * 2];
+  for (int x = 0; x < g * W * 2; ++x) acc[x] = _mm512_setzero_ps();
+  for (int64_t t = t0, blk = t0 / bs; t < t1; ++blk) {
+    const c10::BFloat16* vb = vh + table[blk] * bs * D;
+    const int64_t te = std::min(t1, t + bs);
+    if (te < t1) prefetch_block(vh + table[blk + 1] * bs * D, bs * D * sizeof(c10::BFloat16));
+    for (; t < te; t += 2) {
+      const c10::BFloat16* a = vb + ((t - t0) % bs) * D;
+      const bool pair = t + 1 < te;
+      __m512i lo[W], hi[W];
+      for (int w = 0; w < W; ++w) {
+        const __m512i x = _mm512_loadu_si512(a + w * 32);
+        const __m512i y = pair ? _mm512_loadu_si512(a + D + w * 32) : _mm512_setzero_si512();
+        lo[w] = _mm512_unpacklo_epi16(x, y);
+        hi[w] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int j = 0; j < g; ++j) {
+        int32_t pp;
+        std::memcpy(&pp, pb + j * kChunk + (t - t0), 4);
+        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pp));
+        for (int w = 0; w < W; ++w) {
+          acc[(j * W + w) * 2] = _mm512_dpbf16_ps(acc[(j * W + w) * 2], reinterpret_cast<__m512bh>(lo[w]), p);
+          acc[(j * W + w) * 2 + 1] = _mm512_dpbf16_ps(acc[(j * W + w) * 2 + 1], reinterpret_cast<__m512bh>(hi[w]), p);
+        }
+      }
+      if (!pair) t -= 1;  // the loop's += 2 then lands on te
+    }
+    t = te;
+  }
+  for (int j = 0; j < g; ++j) {
+    float* out = part + j * (D + 2) + 2;
+    for (int w = 0; w < W; ++w)
+      for (int h = 0; h < 2; ++h) {
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, acc[(j * W + w) * 2 + h]);
+        for (int i = 0; i < 16; ++i) out[32 * w + 8 * (i / 4) + 4 * h + i % 4] = lanes[i];
+      }
+  }
+}
+#endif
+
 // One (sequence, kv head, chunk [t0, t1)), t0 a multiple of bs: writes per query row
 // of the group [max, sum, acc[D]], acc unnormalized relative to max.
 template <typename T, int D, int G>
@@ -268,6 +330,11 @@ void decode_chunk(const T* q, const T* kh, const T* vh, const int64_t* table, in
     part[j * (D + 2)] = m;
     part[j * (D + 2) + 1] = _mm512_reduce_add_ps(sum);
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
+    if (bs % 2 == 0) return value_sum_bf16<D>(vh, table, bs, t0, t1, g, s, part);
+  }
+#endif
   for (int x = 0; x < g * D; x += 16) _mm512_store_ps(acc + x, _mm512_setzero_ps());
   // weighted sum of values, a block at a time: widen the block once, then each query
   // row runs V independent FMA chains in registers
