@@ -42,8 +42,7 @@ def load_config(name: str, path: str | None = None, decode_kernels: bool = False
     dtype, quant = CONFIGS[name]
     loaded = load_model(path, dtype, quant)
     if decode_kernels:
-        m = loaded.model
-        for lin in [m.lm_head] + [x for layer in m.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]:
+        for lin in loaded.model.linears():
             if hasattr(lin, "dense_from_rows"):
                 lin.dense_from_rows = 1 << 62
     return loaded

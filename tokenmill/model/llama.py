@@ -168,9 +168,13 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step (embedding rows excluded)."""
-        total = self.norm.nbytes + getattr(self.lm_head, "nbytes", 0)
+        total = self.norm.nbytes + sum(getattr(lin, "nbytes", 0) for lin in self.linears())
         for layer in self.layers:
             total += layer.input_norm.nbytes + layer.post_norm.nbytes
-            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                total += getattr(lin, "nbytes", 0)
         return total
+
+    def linears(self):
+        """Every matmul's weight holder: the output projection, then each layer's."""
+        yield self.lm_head
+        for layer in self.layers:
+            yield from (layer.qkv, layer.o_proj, layer.gate_up, layer.down)

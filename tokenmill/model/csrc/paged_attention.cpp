@@ -240,9 +240,7 @@ void value_sum_bf16(const c10::BFloat16* vh, const int64_t* table, int64_t bs, i
       const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(s + j * kChunk + t));
       _mm256_store_si256(reinterpret_cast<__m256i*>(pb + j * kChunk + t), reinterpret_cast<__m256i>(h));
     }
-  // past the last key the weight is zero, so an odd count pairs with zeros
-  if (n % 2)
-    for (int j = 0; j < g; ++j) pb[j * kChunk + n] = 0;
+  // (the softmax pass left zeros past the last key, so an odd count pairs with a zero)
   __m512 acc[kMaxGroup * W * 2];
   for (int x = 0; x < g * W * 2; ++x) acc[x] = _mm512_setzero_ps();
   for (int64_t t = t0, blk = t0 / bs; t < t1; ++blk) {
