@@ -21,10 +21,13 @@ def _gen(seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (10, 2, 80), (4, 4, 128)])
-def test_decode_attention_matches_reference(dtype, H, Hkv, D):
+# one token; a partial block; several chunks to merge. Alone, one sequence is cut in
+# short chunks that the threads share by cost.
+@pytest.mark.parametrize("lens", [[1, 17, 300, 700], [641]])
+def test_decode_attention_matches_reference(dtype, H, Hkv, D, lens):
     if not ops.decode_attention_available():
         pytest.skip("decode_attention needs AVX-512")
-    bs, lens = 16, [1, 17, 300, 700]  # one token; a partial block; several chunks to merge
+    bs = 16
     B = len(lens)
     nblocks = [-(-n // bs) for n in lens]
     num_slots = (sum(nblocks) + 4) * bs

@@ -17,7 +17,7 @@ from typing import Any
 
 log = logging.getLogger("tokenmill.model")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "quant_gemv.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "quant_gemv.cpp", "decode_step.cpp")
 HEAD_DIMS = (64, 80, 96, 128)  # the head sizes paged_attention is instantiated for
 
 
@@ -38,8 +38,10 @@ def native_ops() -> Any | None:
             if name.endswith(".h"):
                 with open(os.path.join(_CSRC, name), "rb") as f:
                     headers.update(f.read())
+        # -fopenmp: at::parallel_for is inlined from ATen's headers and runs on one thread
+        # unless this code itself is built with OpenMP (the symbols resolve to torch's libgomp)
         return load(name="tokenmill_native", sources=[os.path.join(_CSRC, s) for s in _SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd",
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp",
                                   f"-DTM_HEADERS={headers.hexdigest()[:16]}"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: run without it
         log.warning("native kernels unavailable, using the torch path: %s", str(exc).splitlines()[0])

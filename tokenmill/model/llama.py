@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.quant import Int4Linear
 
 
 class DenseLinear:
@@ -87,6 +88,11 @@ class LlamaModel:
         self.sin32 = freqs.sin()
         self.cos = self.cos32.to(dtype)
         self.sin = self.sin32.to(dtype)
+        # the whole decode step in one native call (see _fused_step); off to compare paths
+        self.fused_decode = True
+        self._fused = None  # DecodeModel, False where this model cannot use it
+        self._fused_rows = 0
+        self._fused_cache = None
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # One fused op (it accumulates bf16 input in fp32); the reference's five-op form
@@ -136,13 +142,16 @@ class LlamaModel:
         T = input_ids.shape[0]
         H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        decode_only = meta.num_decodes == T and ops.decode_attention_available()
+        if decode_only and self.fused_decode and self._fused_step(ops, T, kv_cache):
+            return self._fused.forward(h, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                       meta.block_size)
         cos = self.cos32.index_select(0, positions)
         sin = self.sin32.index_select(0, positions)
-        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         n = len(self.layers)
         # a step of single-token decodes writes K/V and attends in one native op a layer
-        decode_only = meta.num_decodes == T and ops.decode_attention_available()
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             ops.rope_(qkv, cos, sin, H + Hkv, d)
@@ -159,6 +168,32 @@ class LlamaModel:
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
             x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), next_norm, eps)
         return x
+
+    def _fused_step(self, ops, rows: int, kv_cache) -> bool:
+        """Whether this step can run as one native call (csrc/decode_step.cpp): bf16 with
+        every matmul int4 on the VNNI kernels, and fewer rows than any layer's switch to
+        its dense copy. Builds the native model on first use, binds the cache when it changes."""
+        if self._fused is None:
+            self._fused = False
+            lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            usable = (self.dtype == torch.bfloat16 and hasattr(ops, "decode_step_available")
+                      and ops.decode_step_available()
+                      and all(isinstance(lin, Int4Linear) and lin._vnni is not None and lin.bias is None
+                              for lin in lins))
+            if usable:
+                cfg = self.cfg
+                norms = [w for layer in self.layers for w in (layer.input_norm, layer.post_norm)] + [self.norm]
+                self._fused = ops.DecodeModel([lin.tiles for lin in lins], [lin.precise for lin in lins], norms,
+                                              self.cos32, self.sin32, cfg.num_heads, cfg.num_kv_heads,
+                                              cfg.head_dim, cfg.rms_norm_eps, self.scale)
+                self._fused_rows = min(lin.dense_from_rows for lin in lins)
+        if not self._fused or rows >= self._fused_rows:
+            return False
+        if self._fused_cache is not kv_cache:
+            layers = [kv_cache.layer(i) for i in range(len(self.layers))]
+            self._fused.bind_cache([k for k, _ in layers], [v for _, v in layers])
+            self._fused_cache = kv_cache
+        return True
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

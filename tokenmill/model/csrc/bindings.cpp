@@ -17,7 +17,10 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::
                                torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
                                int64_t H, int64_t Hkv, int64_t block_size, double scale);
 
+void bind_decode_step(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode_step(m);
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache for short queries");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; return rms_norm(residual) * weight");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight");

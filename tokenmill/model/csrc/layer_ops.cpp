@@ -6,25 +6,14 @@
 #include <cmath>
 #include <immintrin.h>
 
-#include "simd.h"
+#include "rows.h"
+
+using namespace tm_rows;
 
 namespace {
 
 // Rows per parallel task: a decode batch of a few rows runs on the calling thread.
 constexpr int64_t kRowGrain = 16;
-
-template <typename scalar_t>
-void rms_row(const scalar_t* __restrict x, const scalar_t* __restrict w, scalar_t* __restrict y, int64_t n,
-             float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t e = 0; e < n; ++e) {
-    const float v = static_cast<float>(x[e]);
-    ss += v * v;
-  }
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t e = 0; e < n; ++e) y[e] = static_cast<scalar_t>(static_cast<float>(x[e]) * r * static_cast<float>(w[e]));
-}
 
 }  // namespace
 
@@ -40,10 +29,7 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
     scalar_t* y = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        scalar_t* hr = h + r * n;
-        const scalar_t* dr = dl + r * n;
-        for (int64_t e = 0; e < n; ++e) hr[e] = static_cast<scalar_t>(static_cast<float>(hr[e]) + static_cast<float>(dr[e]));
-        rms_row<scalar_t>(hr, w, y + r * n, n, static_cast<float>(eps));
+        add_rms_row<scalar_t>(h + r * n, dl + r * n, w, y + r * n, n, static_cast<float>(eps));
       }
     });
   });
@@ -78,16 +64,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
     const float* sp = sin.data_ptr<float>();
     at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const float* c = cp + t * half;
-        const float* s = sp + t * half;
-        for (int64_t h = 0; h < heads; ++h) {
-          scalar_t* v = xp + t * stride + h * head_dim;
-          for (int64_t e = 0; e < half; ++e) {
-            const float a = static_cast<float>(v[e]), b = static_cast<float>(v[e + half]);
-            v[e] = static_cast<scalar_t>(a * c[e] - b * s[e]);
-            v[e + half] = static_cast<scalar_t>(b * c[e] + a * s[e]);
-          }
-        }
+        for (int64_t h = 0; h < heads; ++h) rope_head(xp + t * stride + h * head_dim, cp + t * half, sp + t * half, half);
       }
     });
   });
@@ -164,29 +141,6 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales) 
   return out;
 }
 
-namespace {
-// The vectorized part of a row; returns how many elements it did.
-template <typename T>
-int64_t silu_mul_simd(const T*, const T*, T*, int64_t) { return 0; }
-#if defined(__AVX512F__)
-template <typename T>
-int64_t silu_mul_avx512(const T* g, const T* u, T* o, int64_t I) {
-  int64_t e = 0;
-  for (; e + 16 <= I; e += 16) {
-    const __m512 gv = tm_simd::load16(g + e);
-    const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), tm_simd::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    tm_simd::store16(o + e, _mm512_mul_ps(s, tm_simd::load16(u + e)));
-  }
-  return e;
-}
-template <>
-int64_t silu_mul_simd(const float* g, const float* u, float* o, int64_t I) { return silu_mul_avx512(g, u, o, I); }
-template <>
-int64_t silu_mul_simd(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* o, int64_t I) {
-  return silu_mul_avx512(g, u, o, I);
-}
-#endif
-}  // namespace
 
 // gu [T, 2I] (gate then up) -> silu(gate) * up [T, I]: the MLP's activation in one pass.
 torch::Tensor silu_mul(torch::Tensor gu) {
@@ -198,14 +152,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* g = gp + t * row;
-        const scalar_t* u = g + I;
-        scalar_t* o = op + t * I;
-        int64_t e = silu_mul_simd(g, u, o, I);
-        for (; e < I; ++e) {
-          const float gv = static_cast<float>(g[e]);
-          o[e] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * static_cast<float>(u[e]));
-        }
+        silu_mul_row(gp + t * row, op + t * I, I);
       }
     });
   });

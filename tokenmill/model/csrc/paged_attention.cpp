@@ -133,238 +133,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 }
 
 // ---------------------------------------------------------------------------------
-// Decode steps (every query a single new token): one op writes the step's keys and
-// values into the cache and attends, reading q, k, v straight from the fused qkv
-// projection. The context is split into chunks of kChunk tokens so that a single
-// sequence still spreads over the cores (its 3 kv heads alone would leave one core
-// idle a third of the time); chunks are merged with their softmax maxima and sums.
-#include "simd.h"
+#include "decode_attention.h"
 #if defined(__AVX512F__)
 
 namespace {
 
-constexpr int64_t kChunk = 256;
-constexpr int kMaxGroup = 16;
-
-using tm_simd::exp512;
-using tm_simd::load16;
-
-inline void prefetch_block(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
-
-// Lane sums of 16 vectors: result[i] = sum of v[i]'s lanes (a transpose-and-add tree,
-// ~3 ops a vector instead of a full horizontal reduction each).
-inline __m512 reduce16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// q . k as a vector of lane partial sums. float32: FMAs on the pre-scaled query.
-// bfloat16 (with AVX512_BF16): pairwise bf16 dot products into fp32 (exact products),
-// the scale applied to the summed score.
-template <typename T, int D>
-struct QueryDot {
-  alignas(64) float qf[kMaxGroup * D];
-  static constexpr bool kScaled = true;
-  QueryDot(const T* q, int g, float scale) {
-    for (int j = 0; j < g; ++j)
-      for (int c = 0; c < D / 16; ++c)
-        _mm512_store_ps(qf + j * D + c * 16, _mm512_mul_ps(load16(q + j * D + c * 16), _mm512_set1_ps(scale)));
-  }
-  template <int G>
-  void dots(const T* kr, int g, __m512* out) const {
-    __m512 kv[D / 16];
-    for (int c = 0; c < D / 16; ++c) kv[c] = load16(kr + c * 16);
-    for (int j = 0; j < (G ? G : g); ++j) {
-      __m512 a = _mm512_mul_ps(_mm512_load_ps(qf + j * D), kv[0]);
-      for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qf + j * D + c * 16), kv[c], a);
-      out[j * 16] = a;
-    }
-  }
-};
-
-#if defined(__AVX512BF16__)
-template <int D>
-struct QueryDot<c10::BFloat16, D> {
-  static constexpr int W = (D + 31) / 32;  // 32-lane bf16 vectors a row
-  static constexpr __mmask32 kTail = (D % 32) ? ((1u << (D % 32)) - 1) : 0xFFFFFFFFu;
-  __m512bh qb[kMaxGroup * W];
-  static constexpr bool kScaled = false;
-  static __m512bh load32(const c10::BFloat16* p, int w) {
-    const __m512i v = w + 1 < W ? _mm512_loadu_si512(p + w * 32) : _mm512_maskz_loadu_epi16(kTail, p + w * 32);
-    return reinterpret_cast<__m512bh>(v);
-  }
-  QueryDot(const c10::BFloat16* q, int g, float) {
-    for (int j = 0; j < g; ++j)
-      for (int w = 0; w < W; ++w) qb[j * W + w] = load32(q + j * D, w);
-  }
-  template <int G>
-  void dots(const c10::BFloat16* kr, int g, __m512* out) const {
-    __m512bh kv[W];
-    for (int w = 0; w < W; ++w) kv[w] = load32(kr, w);
-    for (int j = 0; j < (G ? G : g); ++j) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[j * W], kv[0]);
-      for (int w = 1; w < W; ++w) a = _mm512_dpbf16_ps(a, qb[j * W + w], kv[w]);
-      out[j * 16] = a;
-    }
-  }
-};
-#endif
-
-#if defined(__AVX512BF16__)
-// Weighted sum of bf16 values with the weights rounded to bf16 (as transformers' eager
-// attention does in bf16): two keys at a time, their rows interleaved so that one
-// vdpbf16ps adds p_t v_t + p_t+1 v_t+1 for 16 columns. The unpack interleaves within
-// 128-bit lanes, so accumulator lane i of chunk w, half h holds column
-// 32 w + 8 (i / 4) + 4 h + i % 4; the result is put back in order at the end.
-template <int D>
-void value_sum_bf16(const c10::BFloat16* vh, const int64_t* table, int64_t bs, int64_t t0, int64_t t1, int g,
-                    const float* s, float* part) {
-  constexpr int W = D / 32;
-  alignas(64) uint16_t pb[kMaxGroup * kChunk];
-  const int64_t n = t1 - t0;
-  for (int j = 0; j < g; ++j)
-    for (int64_t t = 0; t < n; t += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(s + j * kChunk + t));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + j * kChunk + t), reinterpret_cast<__m256i>(h));
-    }
-  // (the softmax pass left zeros past the last key, so an odd count pairs with a zero)
-  __m512 acc[kMaxGroup * W * 2];
-  for (int x = 0; x < g * W * 2; ++x) acc[x] = _mm512_setzero_ps();
-  for (int64_t t = t0, blk = t0 / bs; t < t1; ++blk) {
-    const c10::BFloat16* vb = vh + table[blk] * bs * D;
-    const int64_t te = std::min(t1, t + bs);
-    if (te < t1) prefetch_block(vh + table[blk + 1] * bs * D, bs * D * sizeof(c10::BFloat16));
-    for (; t < te; t += 2) {
-      const c10::BFloat16* a = vb + ((t - t0) % bs) * D;
-      const bool pair = t + 1 < te;
-      __m512i lo[W], hi[W];
-      for (int w = 0; w < W; ++w) {
-        const __m512i x = _mm512_loadu_si512(a + w * 32);
-        const __m512i y = pair ? _mm512_loadu_si512(a + D + w * 32) : _mm512_setzero_si512();
-        lo[w] = _mm512_unpacklo_epi16(x, y);
-        hi[w] = _mm512_unpackhi_epi16(x, y);
-      }
-      for (int j = 0; j < g; ++j) {
-        int32_t pp;
-        std::memcpy(&pp, pb + j * kChunk + (t - t0), 4);
-        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pp));
-        for (int w = 0; w < W; ++w) {
-          acc[(j * W + w) * 2] = _mm512_dpbf16_ps(acc[(j * W + w) * 2], reinterpret_cast<__m512bh>(lo[w]), p);
-          acc[(j * W + w) * 2 + 1] = _mm512_dpbf16_ps(acc[(j * W + w) * 2 + 1], reinterpret_cast<__m512bh>(hi[w]), p);
-        }
-      }
-      if (!pair) t -= 1;  // the loop's += 2 then lands on te
-    }
-    t = te;
-  }
-  for (int j = 0; j < g; ++j) {
-    float* out = part + j * (D + 2) + 2;
-    for (int w = 0; w < W; ++w)
-      for (int h = 0; h < 2; ++h) {
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, acc[(j * W + w) * 2 + h]);
-        for (int i = 0; i < 16; ++i) out[32 * w + 8 * (i / 4) + 4 * h + i % 4] = lanes[i];
-      }
-  }
-}
-#endif
-
-// One (sequence, kv head, chunk [t0, t1)), t0 a multiple of bs: writes per query row
-// of the group [max, sum, acc[D]], acc unnormalized relative to max.
-template <typename T, int D, int G>
-void decode_chunk(const T* q, const T* kh, const T* vh, const int64_t* table, int64_t bs, int64_t t0, int64_t t1,
-                  int g, float scale, float* part) {
-  constexpr int V = D / 16;
-  if constexpr (G) g = G;
-  alignas(64) float s[kMaxGroup * kChunk];
-  alignas(64) float acc[kMaxGroup * D];
-  alignas(64) float vf[16 * D];
-  __m512 partial[kMaxGroup * 16];
-  const QueryDot<T, D> qd(q, g, scale);
-  const __m512 post = _mm512_set1_ps(QueryDot<T, D>::kScaled ? 1.f : scale);
-  const int64_t n = t1 - t0;
-  // scores, 16 keys at a time, walking the chunk's blocks
-  for (int64_t t = t0, blk = t0 / bs; t < t1; ++blk) {
-    const T* kr = kh + table[blk] * bs * D;
-    const int64_t te = std::min(t1, t + bs);
-    // blocks are scattered, so the hardware prefetcher stops at each block's end
-    if (te < t1) prefetch_block(kh + table[blk + 1] * bs * D, bs * D * sizeof(T));
-    else prefetch_block(vh + table[t0 / bs] * bs * D, bs * D * sizeof(T));
-    for (; t < te; ++t, kr += D) {
-      const int64_t i = t - t0;
-      qd.template dots<G>(kr, g, partial + (i & 15));
-      if ((i & 15) == 15 || t + 1 == t1)
-        for (int j = 0; j < g; ++j) _mm512_store_ps(s + j * kChunk + (i & ~int64_t(15)), _mm512_mul_ps(reduce16(partial + j * 16), post));
-    }
-  }
-  const int64_t npad = (n + 15) / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((n % 16) ? (1u << (n % 16)) - 1 : 0xFFFF);
-  for (int j = 0; j < g; ++j) {
-    float* sj = s + j * kChunk;
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < npad; t += 16)
-      mx = _mm512_mask_max_ps(mx, t + 16 <= n ? 0xFFFF : tail, mx, _mm512_load_ps(sj + t));
-    const float m = _mm512_reduce_max_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < npad; t += 16) {
-      const __m512 p = _mm512_maskz_mov_ps(t + 16 <= n ? 0xFFFF : tail,
-                                           exp512(_mm512_sub_ps(_mm512_load_ps(sj + t), _mm512_set1_ps(m))));
-      _mm512_store_ps(sj + t, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    part[j * (D + 2)] = m;
-    part[j * (D + 2) + 1] = _mm512_reduce_add_ps(sum);
-  }
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
-    if (bs % 2 == 0) return value_sum_bf16<D>(vh, table, bs, t0, t1, g, s, part);
-  }
-#endif
-  for (int x = 0; x < g * D; x += 16) _mm512_store_ps(acc + x, _mm512_setzero_ps());
-  // weighted sum of values, a block at a time: widen the block once, then each query
-  // row runs V independent FMA chains in registers
-  for (int64_t t = t0, blk = t0 / bs; t < t1; ++blk) {
-    const T* vb = vh + table[blk] * bs * D;
-    const int64_t te = std::min(t1, t + bs);
-    if (te < t1) prefetch_block(vh + table[blk + 1] * bs * D, bs * D * sizeof(T));
-    for (int64_t u = t; u < te; u += 16) {
-      const int64_t cnt = std::min<int64_t>(16, te - u);
-      const float* rows;
-      if constexpr (std::is_same_v<T, float>) {
-        rows = vb + (u - t) * D;
-      } else {
-        for (int64_t r = 0; r < cnt; ++r)
-          for (int c = 0; c < V; ++c) _mm512_store_ps(vf + r * D + c * 16, load16(vb + (u - t + r) * D + c * 16));
-        rows = vf;
-      }
-      for (int j = 0; j < g; ++j) {
-        __m512 a[V];
-        for (int c = 0; c < V; ++c) a[c] = _mm512_load_ps(acc + j * D + c * 16);
-        const float* pj = s + j * kChunk + (u - t0);
-        for (int64_t r = 0; r < cnt; ++r) {
-          const __m512 p = _mm512_set1_ps(pj[r]);
-          for (int c = 0; c < V; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows + r * D + c * 16), a[c]);
-        }
-        for (int c = 0; c < V; ++c) _mm512_store_ps(acc + j * D + c * 16, a[c]);
-      }
-    }
-    t = te;
-  }
-  for (int j = 0; j < g; ++j) std::copy(acc + j * D, acc + (j + 1) * D, part + j * (D + 2) + 2);
-}
+using namespace tm_decode;
 
 template <typename T, int D>
 void decode_all(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache, const int64_t* slots,
@@ -380,56 +154,18 @@ void decode_all(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor&
       std::copy(src, src + D, kp + (h * S + slots[b]) * D);
       std::copy(src + Hkv * D, src + Hkv * D + D, vp + (h * S + slots[b]) * D);
     }
-  // units: (sequence, chunk, kv head)
-  // Chunk length: at most kChunk, and short enough that there are ~4 units a thread
-  // (one sequence's few kv heads alone would leave a core idle); a multiple of bs.
-  TORCH_CHECK(bs <= kChunk, "block_size above ", kChunk);
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
-  const int64_t want = std::max<int64_t>(1, 4 * at::get_num_threads() / (B * Hkv));
-  int64_t chunk = std::max<int64_t>(64, (max_len + want - 1) / want);
-  chunk = std::min<int64_t>(kChunk / bs * bs, std::max<int64_t>(bs, (chunk + bs - 1) / bs * bs));
-  std::vector<int64_t> first(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (lens[b] + chunk - 1) / chunk * Hkv;
-  const int64_t stride = g * (D + 2);
-  std::vector<float> parts(first[B] * stride);
-  at::parallel_for(0, first[B], 1, [&](int64_t u0, int64_t u1) {
-    int64_t b = std::upper_bound(first.begin(), first.end(), u0) - first.begin() - 1;
-    for (int64_t u = u0; u < u1; ++u) {
-      while (u >= first[b + 1]) ++b;
-      const int64_t c = (u - first[b]) / Hkv, h = (u - first[b]) % Hkv;
-      const int64_t t0 = c * chunk, t1 = std::min(lens[b], t0 + chunk);
-      const T* qh = qp + b * row + h * g * D;
-      const int64_t* tb = tables + b * max_blocks;
-      float* pu = parts.data() + u * stride;
-      // the common group sizes get registers-sized loops; others run the generic one
-      switch (g) {
-        case 1: decode_chunk<T, D, 1>(qh, kp + h * S * D, vp + h * S * D, tb, bs, t0, t1, 1, scale, pu); break;
-        case 2: decode_chunk<T, D, 2>(qh, kp + h * S * D, vp + h * S * D, tb, bs, t0, t1, 2, scale, pu); break;
-        case 3: decode_chunk<T, D, 3>(qh, kp + h * S * D, vp + h * S * D, tb, bs, t0, t1, 3, scale, pu); break;
-        case 4: decode_chunk<T, D, 4>(qh, kp + h * S * D, vp + h * S * D, tb, bs, t0, t1, 4, scale, pu); break;
-        default: decode_chunk<T, D, 0>(qh, kp + h * S * D, vp + h * S * D, tb, bs, t0, t1, static_cast<int>(g), scale, pu);
-      }
-    }
+  std::vector<int64_t> first;
+  const int64_t chunk = plan_units(lens, B, Hkv, bs, at::get_num_threads(), first);
+  std::vector<float> parts(first[B] * g * (D + 2));
+  const int64_t nt = at::get_num_threads();
+  const std::vector<int64_t> bounds = unit_bounds(first, lens, chunk, Hkv, nt);
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      run_units<T, D>(bounds[t], bounds[t + 1], first, chunk, qp, row, kp, vp, S, tables, max_blocks, lens, Hkv, g,
+                      bs, scale, parts.data());
   });
   T* op = out.data_ptr<T>();
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t nch = (first[b + 1] - first[b]) / Hkv;
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t j = 0; j < g; ++j) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < nch; ++c) m = std::max(m, parts[(first[b] + c * Hkv + h) * stride + j * (D + 2)]);
-        float l = 0.f, o[D] = {};
-        for (int64_t c = 0; c < nch; ++c) {
-          const float* pc = parts.data() + (first[b] + c * Hkv + h) * stride + j * (D + 2);
-          const float w = std::exp(pc[0] - m);
-          l += pc[1] * w;
-          for (int e = 0; e < D; ++e) o[e] += pc[2 + e] * w;
-        }
-        T* orow = op + b * H * D + (h * g + j) * D;
-        for (int e = 0; e < D; ++e) orow[e] = static_cast<T>(o[e] / l);
-      }
-  }
+  for (int64_t b = 0; b < B; ++b) merge_units<T, D>(parts.data(), first, b, Hkv, g, op + b * H * D);
 }
 
 }  // namespace

@@ -1,0 +1,241 @@
+// A whole decode step of an int4 model in one call: every layer's norms, matmuls,
+// rotary embedding, K/V write and attention inside one OpenMP parallel region.
+//
+// Why: a decode step of a small model is ~270 separate ops, each a Python call, a
+// pybind crossing and an OpenMP fork/join, and the cores idle between them while the
+// weight streams restart. Here the threads stay up for the whole step and meet at five
+// barriers a layer; the row-sized work in between (norms, activation quantization,
+// silu, merging attention chunks) each thread does for itself, on private copies,
+// rather than paying a barrier to share it.
+//
+// Numerics are those of the separate native ops (same row functions, same bf16
+// roundings, same chunking of attention), so the two paths give identical outputs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <vector>
+
+#include "decode_attention.h"
+#include "quant_tiles.h"
+#include "rows.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define TM_FUSED_DECODE 1
+#endif
+
+namespace {
+
+using BF16 = c10::BFloat16;
+
+// [begin, end) of n items for thread t of nt, in contiguous runs as at::parallel_for splits.
+inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
+  const int64_t per = (n + nt - 1) / nt;
+  return {std::min(n, t * per), std::min(n, (t + 1) * per)};
+}
+
+struct Mat {
+  torch::Tensor tiles;
+  int64_t n = 0, k = 0, tile_bytes = 0;
+  bool precise = false;
+};
+
+}  // namespace
+
+class DecodeModel {
+ public:
+  // mats: per layer qkv, o, gate_up, down (int4 tiles, see quant_gemv.cpp); precise: the
+  // same order; norms: per layer input and post-attention norms, then the final norm;
+  // cos, sin [max_pos, head_dim / 2] float32.
+  DecodeModel(std::vector<torch::Tensor> mats, std::vector<bool> precise, std::vector<torch::Tensor> norms,
+              torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t Hkv, int64_t head_dim, double eps,
+              double scale)
+      : cos_(cos.contiguous()), sin_(sin.contiguous()), H_(H), Hkv_(Hkv), D_(head_dim), eps_(eps), scale_(scale) {
+    TORCH_CHECK(mats.size() % 4 == 0 && !mats.empty() && precise.size() == mats.size(), "4 matmuls a layer");
+    L_ = static_cast<int64_t>(mats.size() / 4);
+    TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L_ + 1), "2 norms a layer and a final one");
+    TORCH_CHECK(H % Hkv == 0 && H / Hkv <= tm_decode::kMaxGroup, "query heads per kv head");
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.size(1) == head_dim / 2, "cos: float32 [pos, d/2]");
+    for (size_t i = 0; i < mats.size(); ++i) {
+      const auto& t = mats[i];
+      TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() && t.size(1) % 320 == 0,
+                  "int4 tiles [N/16, K/32 * 320]");
+      mats_.push_back({t, t.size(0) * 16, t.size(1) / 320 * 32, t.size(1), static_cast<bool>(precise[i])});
+    }
+    for (auto& n : norms) {
+      TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.is_contiguous(), "bfloat16 norms");
+      norms_.push_back(n);
+    }
+    hidden_ = norms_.back().numel();
+    inter_ = mats_[2].n / 2;
+    for (int64_t l = 0; l < L_; ++l) {
+      const Mat* m = &mats_[4 * l];
+      TORCH_CHECK(m[0].k == hidden_ && m[0].n == (H + 2 * Hkv) * head_dim && m[1].k == H * head_dim &&
+                      m[1].n == hidden_ && m[2].k == hidden_ && m[2].n == 2 * inter_ && m[3].k == inter_ &&
+                      m[3].n == hidden_ && head_dim % 16 == 0,
+                  "layer ", l, ": matmul shapes do not chain");
+    }
+  }
+
+  // k, v: per layer [Hkv, slots, head_dim] bfloat16, kept for the steps that follow.
+  void bind_cache(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
+    TORCH_CHECK(static_cast<int64_t>(k.size()) == L_ && static_cast<int64_t>(v.size()) == L_, "a cache per layer");
+    for (int64_t l = 0; l < L_; ++l)
+      TORCH_CHECK(k[l].is_contiguous() && v[l].is_contiguous() && k[l].scalar_type() == at::kBFloat16 &&
+                      k[l].size(0) == Hkv_ && k[l].size(2) == D_ && v[l].sizes() == k[l].sizes(),
+                  "layer ", l, ": cache [Hkv, slots, head_dim] bfloat16");
+    k_ = std::move(k);
+    v_ = std::move(v);
+  }
+
+  // h [M, hidden] bfloat16 embeddings of the step's tokens (one a sequence); positions,
+  // slot_mapping, seq_lens [M]; block_tables [M, max_blocks]. Returns the final norm's
+  // output [M, hidden].
+  torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
+                        torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size) {
+    TORCH_CHECK(!k_.empty(), "bind_cache first");
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.size(1) == hidden_, "h: bf16 [M, hidden]");
+    const int64_t M = h.size(0);
+    for (const auto* t : {&positions, &slot_mapping, &seq_lens})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == M, "int64 [M] positions, slots, lengths");
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.size(0) == M, "block tables [M, blocks]");
+    auto pos_t = positions.contiguous(), slots_t = slot_mapping.contiguous(), lens_t = seq_lens.contiguous();
+    const int64_t* pos = pos_t.data_ptr<int64_t>();
+    for (int64_t b = 0; b < M; ++b) TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_.size(0), "position out of range");
+    auto hc = h.contiguous();
+    auto tables = block_tables.contiguous();
+    auto out = torch::empty_like(hc);
+#if TM_FUSED_DECODE
+    switch (D_) {
+      case 64: run<64>(hc, pos, slots_t, tables, lens_t, block_size, out); break;
+      case 80: run<80>(hc, pos, slots_t, tables, lens_t, block_size, out); break;
+      case 96: run<96>(hc, pos, slots_t, tables, lens_t, block_size, out); break;
+      case 128: run<128>(hc, pos, slots_t, tables, lens_t, block_size, out); break;
+      default: TORCH_CHECK(false, "head_dim ", D_, " not built");
+    }
+#else
+    TORCH_CHECK(false, "the fused decode step needs AVX-512 VNNI and BF16");
+#endif
+    return out;
+  }
+
+ private:
+#if TM_FUSED_DECODE
+  template <int D>
+  void run(const torch::Tensor& h, const int64_t* pos, const torch::Tensor& slot_mapping,
+           const torch::Tensor& tables, const torch::Tensor& seq_lens, int64_t bs, torch::Tensor& out) {
+    using tm_quant::QuantX;
+    const int64_t M = h.size(0), hid = hidden_, I = inter_, H = H_, Hkv = Hkv_, g = H / Hkv;
+    const int64_t nq = (H + 2 * Hkv) * D, half = D / 2, S = k_[0].size(1), mb = tables.size(1);
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* tb = tables.data_ptr<int64_t>();
+    const float* cosp = cos_.data_ptr<float>();
+    const float* sinp = sin_.data_ptr<float>();
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    for (int64_t b = 0; b < M; ++b)
+      TORCH_CHECK(slots[b] >= 0 && slots[b] < S && lens[b] >= 1 && lens[b] <= mb * bs, "slot or length out of range");
+    std::vector<int64_t> first;
+    // this thread's OpenMP team size follows torch's setting, as at::parallel_for's does
+    at::internal::lazy_init_num_threads();
+    const int64_t threads = at::get_num_threads();
+    const int64_t chunk = tm_decode::plan_units(lens, M, Hkv, bs, threads, first);
+    const std::vector<int64_t> bounds = tm_decode::unit_bounds(first, lens, chunk, Hkv, threads);
+    // shared between the threads: each matmul's output, attention's partial results
+    std::vector<BF16> qkv(M * nq), o(M * hid), gu(M * 2 * I), dn(M * hid);
+    std::vector<float> parts(first[M] * g * (D + 2));
+    const BF16* h0 = h.data_ptr<BF16>();
+    BF16* outp = out.data_ptr<BF16>();
+    auto mm = [&](const Mat& m, const QuantX& xq, int64_t t0, int64_t t1, BF16* y) {
+      if (m.precise) tm_quant::tiles_range<2>(m.tiles.data_ptr<uint8_t>(), m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
+      else tm_quant::tiles_range<1>(m.tiles.data_ptr<uint8_t>(), m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
+    };
+#pragma omp parallel
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      // each thread's own residual stream and norm output (row-sized work: cheaper done
+      // twice than shared through a barrier)
+      std::vector<BF16> hp(h0, h0 + M * hid), xp(M * hid), attn(M * H * D), act(M * I);
+      const BF16* norm0 = norms_[0].data_ptr<BF16>();
+      for (int64_t b = 0; b < M; ++b) tm_rows::rms_row(hp.data() + b * hid, norm0, xp.data() + b * hid, hid, eps);
+      for (int64_t l = 0; l < L_; ++l) {
+        const Mat* w = &mats_[4 * l];
+        BF16* kc = k_[l].data_ptr<BF16>();
+        BF16* vc = v_[l].data_ptr<BF16>();
+        // qkv, split by heads so each thread ropes and caches the heads it computed
+        {
+          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[0].precise);
+          const auto [h0_, h1_] = share(H + 2 * Hkv, tid, nt);
+          mm(w[0], xq, h0_ * D / 16, h1_ * D / 16, qkv.data());
+          for (int64_t hd = h0_; hd < h1_; ++hd)
+            for (int64_t b = 0; b < M; ++b) {
+              BF16* v = qkv.data() + b * nq + hd * D;
+              if (hd < H + Hkv) tm_rows::rope_head(v, cosp + pos[b] * half, sinp + pos[b] * half, half);
+              if (hd >= H + Hkv) std::copy(v, v + D, vc + ((hd - H - Hkv) * S + slots[b]) * D);
+              else if (hd >= H) std::copy(v, v + D, kc + ((hd - H) * S + slots[b]) * D);
+            }
+        }
+#pragma omp barrier
+        {
+          // (the region has the threads it was planned for; any it lacks, thread 0 covers)
+          const int64_t u0 = bounds[std::min<int64_t>(tid, threads)];
+          const int64_t u1 = tid + 1 < nt ? bounds[std::min<int64_t>(tid + 1, threads)] : first[M];
+          tm_decode::run_units<BF16, D>(u0, u1, first, chunk, qkv.data(), nq, kc, vc, S, tb, mb, lens, Hkv, g, bs,
+                                        scale, parts.data());
+        }
+#pragma omp barrier
+        {
+          for (int64_t b = 0; b < M; ++b)
+            tm_decode::merge_units<BF16, D>(parts.data(), first, b, Hkv, g, attn.data() + b * H * D);
+          const QuantX& xq = tm_quant::quantize_rows(attn.data(), M, H * D, w[1].precise);
+          const auto [t0, t1] = share(w[1].n / 16, tid, nt);
+          mm(w[1], xq, t0, t1, o.data());
+        }
+#pragma omp barrier
+        {
+          const BF16* post = norms_[2 * l + 1].data_ptr<BF16>();
+          for (int64_t b = 0; b < M; ++b)
+            tm_rows::add_rms_row(hp.data() + b * hid, o.data() + b * hid, post, xp.data() + b * hid, hid, eps);
+          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[2].precise);
+          const auto [t0, t1] = share(w[2].n / 16, tid, nt);
+          mm(w[2], xq, t0, t1, gu.data());
+        }
+#pragma omp barrier
+        {
+          for (int64_t b = 0; b < M; ++b) tm_rows::silu_mul_row(gu.data() + b * 2 * I, act.data() + b * I, I);
+          const QuantX& xq = tm_quant::quantize_rows(act.data(), M, I, w[3].precise);
+          const auto [t0, t1] = share(w[3].n / 16, tid, nt);
+          mm(w[3], xq, t0, t1, dn.data());
+        }
+#pragma omp barrier
+        const BF16* next = norms_[l + 1 < L_ ? 2 * (l + 1) : 2 * L_].data_ptr<BF16>();
+        for (int64_t b = 0; b < M; ++b)
+          tm_rows::add_rms_row(hp.data() + b * hid, dn.data() + b * hid, next, xp.data() + b * hid, hid, eps);
+      }
+      if (tid == 0) std::copy(xp.begin(), xp.end(), outp);
+    }
+  }
+#endif
+
+  std::vector<Mat> mats_;
+  std::vector<torch::Tensor> norms_, k_, v_;
+  torch::Tensor cos_, sin_;
+  int64_t L_ = 0, H_, Hkv_, D_, hidden_ = 0, inter_ = 0;
+  double eps_, scale_;
+};
+
+bool decode_step_available() {
+#if TM_FUSED_DECODE
+  return true;
+#else
+  return false;
+#endif
+}
+
+void bind_decode_step(pybind11::module& m) {
+  pybind11::class_<DecodeModel>(m, "DecodeModel")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<bool>, std::vector<torch::Tensor>, torch::Tensor,
+                          torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def("bind_cache", &DecodeModel::bind_cache)
+      .def("forward", &DecodeModel::forward);
+  m.def("decode_step_available", &decode_step_available, "whether the fused int4 decode step was built");
+}

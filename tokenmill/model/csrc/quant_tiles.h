@@ -1,0 +1,202 @@
+// The int8-activation tile kernels of quant_gemv.cpp, shared with the fused decode step
+// (decode_step.cpp). Layouts and numerics are described in quant_gemv.cpp.
+#pragma once
+#include <torch/extension.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <immintrin.h>
+#include <vector>
+
+#include "simd.h"
+
+namespace tm_quant {
+
+constexpr int64_t kTile = 16, kGroup = 32;
+
+constexpr int64_t kXGroup = 16;  // activations: one int8 scale per 16 inputs
+
+struct QuantX {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> d;      // [M, K/16] scale per half group
+  std::vector<int32_t> qsum; // [M, K/16] sum of xq per half group (int8's -128 correction)
+  std::vector<float> sum;    // [M, K/32] float sum of x per group (int4's m term)
+  // second level (precise mode): the rounding residual x - d * q, itself in int8
+  std::vector<int8_t> q2;    // [M, K]
+  std::vector<float> d2;     // [M, K/16]
+};
+
+// Reused across calls (decode calls these ~120 times a step; allocation showed up).
+// Scales per 16 inputs, not 32: the inputs of the qkv and down projections carry
+// outlier channels, and with 32 a group perplexity rose 2% (benchmarks/quality.py
+// --decode-kernels); the kernels' lo/hi halves of a group map onto the two scales.
+template <typename In>
+const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
+  thread_local QuantX r;
+  const int64_t H = K / kXGroup;
+  r.q.resize(M * K);
+  r.d.resize(M * H);
+  r.qsum.resize(M * H);
+  r.sum.resize(M * H / 2);
+  if (precise) {
+    r.q2.resize(M * K);
+    r.d2.resize(M * H);
+  }
+  for (int64_t i = 0; i < M * H; ++i) {
+    const In* v = x + i * kXGroup;
+    float f[kXGroup];
+    float amax = 0.f, s = 0.f;
+    for (int e = 0; e < kXGroup; ++e) {
+      f[e] = static_cast<float>(v[e]);
+      amax = std::max(amax, std::fabs(f[e]));
+      s += f[e];
+    }
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t qs = 0;
+    int8_t* q = r.q.data() + i * kXGroup;
+    for (int e = 0; e < kXGroup; ++e) {
+      q[e] = static_cast<int8_t>(std::nearbyint(f[e] * inv));
+      qs += q[e];
+    }
+    r.d[i] = d;
+    r.qsum[i] = qs;
+    if (precise) {  // |residual| <= d / 2: 8 more bits below the first level's
+      float res[kXGroup], rmax = 0.f;
+      for (int e = 0; e < kXGroup; ++e) {
+        res[e] = f[e] - d * q[e];
+        rmax = std::max(rmax, std::fabs(res[e]));
+      }
+      const float d2 = rmax / 127.f, inv2 = d2 > 0.f ? 1.f / d2 : 0.f;
+      int8_t* q2 = r.q2.data() + i * kXGroup;
+      for (int e = 0; e < kXGroup; ++e) q2[e] = static_cast<int8_t>(std::nearbyint(res[e] * inv2));
+      r.d2[i] = d2;
+    }
+    if (i % 2 == 0) r.sum[i / 2] = s;
+    else r.sum[i / 2] += s;
+  }
+  return r;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One tile (16 output rows) for R rows of x starting at xrow. Precise: the activations'
+// second int8 level too (twice the dot products, still under the memory time at 1 row).
+template <int R, bool Precise>
+void q4_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512 out[R]) {
+  const int64_t G = K / kGroup;
+  const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i lo_dot[R], hi_dot[R];  // inputs 0..15 and 16..31 of the group: two x scales
+    __m512i lo_dot2[Precise ? R : 1], hi_dot2[Precise ? R : 1];
+    for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
+    if constexpr (Precise)
+      for (int r = 0; r < R; ++r) lo_dot2[r] = hi_dot2[r] = _mm512_setzero_si512();
+    const uint8_t* wg = w + g * 320;
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wg + c * 64);
+      const __m512i lo = _mm512_and_si512(v, lo_mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+      for (int r = 0; r < R; ++r) {
+        const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
+        lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], lo, bcast4(xq.q.data() + xo));
+        hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], hi, bcast4(xq.q.data() + xo + 16));
+        if constexpr (Precise) {
+          lo_dot2[r] = _mm512_dpbusd_epi32(lo_dot2[r], lo, bcast4(xq.q2.data() + xo));
+          hi_dot2[r] = _mm512_dpbusd_epi32(hi_dot2[r], hi, bcast4(xq.q2.data() + xo + 16));
+        }
+      }
+    }
+    const uint16_t* dmg = reinterpret_cast<const uint16_t*>(wg + 256);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmg)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmg + 16)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t gi = (xrow + r) * G + g;
+      const float* dx = xq.d.data() + 2 * gi;
+      __m512 dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot[r]), _mm512_set1_ps(dx[0]),
+                                    _mm512_mul_ps(_mm512_cvtepi32_ps(hi_dot[r]), _mm512_set1_ps(dx[1])));
+      if constexpr (Precise) {
+        const float* dx2 = xq.d2.data() + 2 * gi;
+        dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot2[r]), _mm512_set1_ps(dx2[0]), dots);
+        dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot2[r]), _mm512_set1_ps(dx2[1]), dots);
+      }
+      acc[r] = _mm512_fmadd_ps(dots, d, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sum[gi]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <int R>
+void q8_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512 out[R]) {
+  const int64_t G = K / kGroup;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    // u = q + 128, so sum(u * x) counts 128 * sum(xq) too much: start below by that;
+    // chunks 0-3 hold inputs 0..15 of the group, 4-7 inputs 16..31 (two x scales)
+    __m512i lo_dot[R], hi_dot[R];
+    for (int r = 0; r < R; ++r) {
+      lo_dot[r] = _mm512_set1_epi32(-128 * xq.qsum[2 * ((xrow + r) * G + g)]);
+      hi_dot[r] = _mm512_set1_epi32(-128 * xq.qsum[2 * ((xrow + r) * G + g) + 1]);
+    }
+    const uint8_t* wg = w + 64 + g * 512;
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wg + c * 64);
+      const __m512i u = _mm512_loadu_si512(wg + (c + 4) * 64);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xg = xq.q.data() + (xrow + r) * K + g * kGroup;
+        lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], v, bcast4(xg + 4 * c));
+        hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], u, bcast4(xg + 16 + 4 * c));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* dx = xq.d.data() + 2 * ((xrow + r) * G + g);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot[r]), _mm512_set1_ps(dx[0]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot[r]), _mm512_set1_ps(dx[1]), acc[r]);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(w));
+  for (int r = 0; r < R; ++r) out[r] = _mm512_mul_ps(acc[r], s);
+}
+
+// Kind: 0 int8, 1 int4, 2 int4 precise
+template <int R, int Kind>
+void tile_rows(const uint8_t* w, const QuantX& xq, int64_t m0, int64_t K, __m512* out) {
+  if constexpr (Kind == 0) q8_tile<R>(w, xq, m0, K, out);
+  else q4_tile<R, Kind == 2>(w, xq, m0, K, out);
+}
+
+// Tiles [t0, t1) of w (tile_bytes each) for the M rows of xq: y [M, N] columns
+// 16 t0 .. 16 t1.
+template <int Kind, typename Out>
+void tiles_range(const uint8_t* w, int64_t tile_bytes, const QuantX& xq, int64_t M, int64_t K, int64_t N,
+                 int64_t t0, int64_t t1, Out* y) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * tile_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      __m512 res[4];
+      const int64_t R = std::min<int64_t>(4, M - m0);
+      switch (R) {
+        case 1: tile_rows<1, Kind>(wt, xq, m0, K, res); break;
+        case 2: tile_rows<2, Kind>(wt, xq, m0, K, res); break;
+        case 3: tile_rows<3, Kind>(wt, xq, m0, K, res); break;
+        default: tile_rows<4, Kind>(wt, xq, m0, K, res);
+      }
+      for (int64_t r = 0; r < R; ++r) tm_simd::store16(y + (m0 + r) * N + t * kTile, res[r]);
+    }
+  }
+}
+#else
+constexpr bool kVnni = false;
+#endif
+
+}  // namespace tm_quant
