@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from tokenmill.model.memory import hugepage_zeros
+
 GiB = 1024 ** 3
 
 
@@ -37,7 +39,7 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype)
+        self.data = hugepage_zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype)
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

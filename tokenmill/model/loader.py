@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
+from tokenmill.model.memory import pack_together
 from tokenmill.model.quant import QUANTIZATIONS, Int8Linear, quantize_linear
 from tokenmill.model.tokenizer import Tokenizer
 
@@ -136,7 +137,13 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         # The output projection sets every logit: int4 there costs far more quality than
         # in the blocks (benchmarks/quality.py), so it stays at 8 bits.
         lm_head = linear(head) if quantization == "none" else Int8Linear(head, float_out=True)
-    return LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
+    model = LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
+    # the small-batch kernels' packed weights, streamed whole every decode step: one
+    # huge-page buffer (tokenmill.model.memory)
+    packed = [lin for lin in model.linears() if getattr(lin, "tiles", None) is not None]
+    for lin, tiles in zip(packed, pack_together([lin.tiles for lin in packed])):
+        lin.tiles = tiles
+    return model
 
 
 def load_metadata(path: str | None = None) -> tuple[ModelConfig, Tokenizer | None]:

@@ -1,0 +1,124 @@
+"""The fused decode step (csrc/decode_step.cpp) against the separate native ops it
+replaces, on the embedded model in the default configuration (bfloat16, int4), and the
+huge-page buffers its weights and the KV cache live in."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from tests.helpers import make_engine
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.model.kernels import native_ops
+from tokenmill.model.memory import HUGE_PAGE, hugepage_zeros, pack_together
+
+ops = native_ops()
+
+
+@pytest.fixture(scope="module")
+def smol_int4(embedded_path):
+    from tokenmill.model.loader import load_model
+
+    return load_model(embedded_path, "bfloat16", "int4")
+
+
+class _Counting:
+    """Stands in for the native DecodeModel to count the steps it ran."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.rows = inner, 0, set()
+
+    def forward(self, h, *args):
+        self.calls += 1
+        self.rows.add(h.shape[0])
+        return self.inner.forward(h, *args)
+
+
+def test_fused_decode_step_equals_separate_ops(smol_int4):
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+    model = smol_int4.model
+    tok = smol_int4.tokenizer
+    prompts = {
+        "short": tok.encode("The capital of France is"),
+        "mid": tok.encode("Once upon a time, in a land far away, there lived a king who") * 4,
+        # past one attention chunk, so chunks are merged
+        "long": tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,") * 12,
+    }
+    assert len(prompts["long"]) > 300
+    # different lengths: 3, then 2, then 1 sequence decoding at once
+    lengths = {"short": 30, "mid": 20, "long": 10}
+    results = {}
+    for fused in (True, False):
+        model.fused_decode = fused
+        engine = make_engine(smol_int4, num_blocks=128, prefix_caching=False)
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, SamplingParams(max_tokens=lengths[rid], temperature=0, ignore_eos=True,
+                                                        logprobs=3))
+        tokens, logprobs, counter = {}, {}, None
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+            if fused and counter is None and model._fused:  # built by the first decode step
+                counter = model._fused = _Counting(model._fused)
+        results[fused] = (tokens, logprobs)
+        if fused:
+            model._fused = counter.inner
+            assert counter.calls >= 25 and counter.rows == {1, 2, 3}
+    model.fused_decode = True
+    assert results[True][0] == results[False][0]
+    # bit-identical numerics: the same logprobs, not just the same argmax
+    assert results[True][1] == results[False][1]
+    assert {rid: len(t) for rid, t in results[True][0].items()} == lengths
+
+
+def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+    model = smol_int4.model
+    cfg = model.cfg
+    layer = model.layers[0]
+    mats = [layer.qkv.tiles, layer.o_proj.tiles, layer.gate_up.tiles, layer.down.tiles]
+    norms = [layer.input_norm, layer.post_norm, model.norm]
+    args = (model.cos32, model.sin32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
+    dm = ops.DecodeModel(mats, [True, False, False, True], norms, *args)  # one layer builds
+    with pytest.raises(RuntimeError, match="2 norms a layer"):
+        ops.DecodeModel(mats, [False] * 4, norms[:2], *args)
+    with pytest.raises(RuntimeError, match="do not chain"):
+        ops.DecodeModel([mats[1], mats[0], mats[2], mats[3]], [False] * 4, norms, *args)
+    with pytest.raises(RuntimeError, match="bind_cache first"):
+        dm.forward(torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64),
+                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                   torch.ones(1, dtype=torch.int64), 16)
+    k = torch.zeros(cfg.num_kv_heads, 64, cfg.head_dim, dtype=torch.bfloat16)
+    dm.bind_cache([k], [k.clone()])
+    with pytest.raises(RuntimeError, match="position out of range"):
+        dm.forward(torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16), torch.tensor([10 ** 7]),
+                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                   torch.ones(1, dtype=torch.int64), 16)
+    with pytest.raises(RuntimeError, match="slot or length out of range"):
+        dm.forward(torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64),
+                   torch.tensor([64]), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 16)
+
+
+def test_hugepage_zeros_and_packing():
+    big = hugepage_zeros((3, HUGE_PAGE // 4 + 5), torch.float32)  # past a page, not a multiple
+    assert big.shape == (3, HUGE_PAGE // 4 + 5) and big.dtype == torch.float32
+    assert not big.any()
+    big[2, -1] = 7.0  # writable to the last element
+    if getattr(mmap, "MADV_HUGEPAGE", None) is not None:
+        assert big.data_ptr() % HUGE_PAGE == 0
+    small = hugepage_zeros((4, 5), torch.bfloat16)  # too small for a page of its own
+    assert small.shape == (4, 5) and not small.any()
+
+    parts = [torch.arange(n, dtype=torch.uint8) for n in (100, 64, 1)] + [torch.randn(1 << 20)]
+    packed = pack_together(parts)
+    for a, b in zip(parts, packed):
+        assert torch.equal(a, b) and b.dtype == a.dtype and b.data_ptr() % 64 == 0
+    ends = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in packed)
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(ends, ends[1:]))  # no overlap
+    packed[0].fill_(0)
+    assert torch.equal(packed[1], parts[1])  # writes stay in their own tensor
