@@ -98,8 +98,10 @@ class ModelRunner:
 
         sample_rows = [i for i, s in enumerate(sch) if s.sample]
         if sample_rows:
-            rows = torch.from_numpy(cu[1:][sample_rows] - 1)
-            logits = self.model.logits(hidden.index_select(0, rows))
+            if len(sample_rows) == T:  # a decode step that samples every row: no gather
+                logits = self.model.logits(hidden)
+            else:
+                logits = self.model.logits(hidden.index_select(0, torch.from_numpy(cu[1:][sample_rows] - 1)))
             batch = self._sampling_batch([sch[i] for i in sample_rows])
             so = sample(logits, batch)
             for j, i in enumerate(sample_rows):
@@ -131,8 +133,10 @@ class ModelRunner:
 
     def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:
         params = [s.params for s in rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        b = SamplingBatch(temperature=temps, all_greedy=all(p.temperature == 0.0 for p in params))
+        all_greedy = all(p.temperature == 0.0 for p in params)
+        # (an all-greedy batch never reads the temperatures)
+        temps = torch.zeros(0) if all_greedy else torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        b = SamplingBatch(temperature=temps, all_greedy=all_greedy)
         if not b.all_greedy:
             if any(p.top_k > 0 for p in params):
                 b.top_k = torch.tensor([min(max(p.top_k, 0), self.vocab_size) for p in params], dtype=torch.int64)

@@ -93,6 +93,14 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Te
     return logits
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row argmax (the first maximum, NaN counting as largest, as torch.argmax). numpy's
+    is ~12x faster on CPU here: torch's took 85 us on one 49152-wide row, 0.7 ms on 16."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(x.contiguous().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """logits [B, V] float32 -> one token per row (and logprobs when asked)."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs is not None else None
@@ -102,7 +110,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             logits[row, ids] = float("-inf")
     if b.output_ids is not None:
         logits = _apply_penalties(logits, b)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = _argmax(logits)
     if b.all_greedy:
         tokens = greedy_tokens
     else:
@@ -118,7 +126,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             for row, gen in enumerate(b.generators):
                 if gen is not None:
                     q[row].exponential_(generator=gen)
-        sampled = (probs / q).argmax(dim=-1)
+        sampled = _argmax(probs / q)
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
     out = SamplerOutput(token_ids=tokens.tolist())
     if raw_logprobs is not None:
