@@ -32,14 +32,17 @@ QUANTIZATIONS = ("none", "int8", "int4")
 
 
 # Rows from which the dense bf16 copy is faster, measured over the layers of a decode
-# step (30 layers, weights streamed from memory) on the 2-core target: torch's int4
-# kernel loses from ~16 rows; the VNNI kernel still wins 1.7x at 16 and ties at ~48-64.
-# Precise layers (two int8 levels of activations) do twice the dot products: free at one
-# row, where memory is the limit, but the dense copy wins from ~12 rows.
+# step (30 layers, weights streamed from memory) on the 2-core target, both sides on two
+# threads: torch's int4 kernel loses from ~16 rows; the VNNI kernel still wins 1.4x at 96
+# rows on gate-up and ties at ~100 on the attention output. Precise layers (two int8
+# levels of activations) do twice the dot products: free while memory is the limit, but
+# the dense copy catches up sooner, at ~30 rows for a 576-wide input (qkv) and ~12 for
+# a 1536-wide one (down). The int8 output projection still wins 1.4x at 128 rows.
 DENSE_FROM_ROWS = 16
-VNNI_DENSE_FROM_ROWS = 48
-VNNI_PRECISE_DENSE_FROM_ROWS = 12
-VNNI_INT8_DENSE_FROM_ROWS = 24  # the output projection (49152 x 576): 1.18x at 16, 0.94x at 32
+VNNI_DENSE_FROM_ROWS = 96
+VNNI_PRECISE_DENSE_FROM_ROWS = 32
+VNNI_PRECISE_WIDE_DENSE_FROM_ROWS = 12  # inputs wider than 1024
+VNNI_INT8_DENSE_FROM_ROWS = 128
 
 
 def _vnni_ops() -> Any | None:
@@ -48,14 +51,17 @@ def _vnni_ops() -> Any | None:
     return ops if ops is not None and ops.quant_gemv_vnni() else None
 
 
-def _dense_from_rows(given: int | None, vnni: Any | None, precise: bool = False, int8: bool = False) -> int:
+def _dense_from_rows(given: int | None, vnni: Any | None, precise: bool = False, int8: bool = False,
+                     in_features: int = 0) -> int:
     if given is not None:
         return given
     if vnni is None:
         return DENSE_FROM_ROWS
     if int8:
         return VNNI_INT8_DENSE_FROM_ROWS
-    return VNNI_PRECISE_DENSE_FROM_ROWS if precise else VNNI_DENSE_FROM_ROWS
+    if precise:
+        return VNNI_PRECISE_WIDE_DENSE_FROM_ROWS if in_features > 1024 else VNNI_PRECISE_DENSE_FROM_ROWS
+    return VNNI_DENSE_FROM_ROWS
 
 
 def _tileable(n: int, k: int) -> bool:
@@ -162,7 +168,7 @@ class Int4Linear(_Quantized):
         self.out_features, self.in_features = n, k
         self.dense = self.dequantize().to(torch.bfloat16)
         self._vnni = _vnni_ops()
-        self.dense_from_rows = _dense_from_rows(dense_from_rows, self._vnni, precise)
+        self.dense_from_rows = _dense_from_rows(dense_from_rows, self._vnni, precise, in_features=k)
         if self._vnni is not None:
             self.tiles = pack_int4_tiles(self._q, self.d, self.m)
         else:
