@@ -46,10 +46,13 @@ def test_fused_decode_step_equals_separate_ops(smol_int4):
         "mid": tok.encode("Once upon a time, in a land far away, there lived a king who") * 4,
         # past one attention chunk, so chunks are merged
         "long": tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,") * 12,
+        "code": tok.encode("def fibonacci(n):"),
+        "chat": tok.encode("Q: What is the boiling point of water?\nA:"),
     }
     assert len(prompts["long"]) > 300
-    # different lengths: 3, then 2, then 1 sequence decoding at once
-    lengths = {"short": 30, "mid": 20, "long": 10}
+    # different lengths: 5 sequences decoding at once (past the kernels' 4-row blocks),
+    # then 4, 3, 2, 1
+    lengths = {"short": 30, "mid": 20, "long": 10, "code": 25, "chat": 15}
     results = {}
     for fused in (True, False):
         model.fused_decode = fused
@@ -67,7 +70,7 @@ def test_fused_decode_step_equals_separate_ops(smol_int4):
         results[fused] = (tokens, logprobs)
         if fused:
             model._fused = counter.inner
-            assert counter.calls >= 25 and counter.rows == {1, 2, 3}
+            assert counter.calls >= 25 and counter.rows == {1, 2, 3, 4, 5}
     model.fused_decode = True
     assert results[True][0] == results[False][0]
     # bit-identical numerics: the same logprobs, not just the same argmax
@@ -85,6 +88,9 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
     norms = [layer.input_norm, layer.post_norm, model.norm]
     args = (model.cos32, model.sin32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
     dm = ops.DecodeModel(mats, [True, False, False, True], norms, *args)  # one layer builds
+    with pytest.raises(RuntimeError, match="bfloat16, the same slots"):
+        k = torch.zeros(cfg.num_kv_heads, 64, cfg.head_dim, dtype=torch.bfloat16)
+        dm.bind_cache([k], [k.float()])
     with pytest.raises(RuntimeError, match="2 norms a layer"):
         ops.DecodeModel(mats, [False] * 4, norms[:2], *args)
     with pytest.raises(RuntimeError, match="do not chain"):

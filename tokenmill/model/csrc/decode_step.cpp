@@ -9,7 +9,9 @@
 // rather than paying a barrier to share it.
 //
 // Numerics are those of the separate native ops (same row functions, same bf16
-// roundings, same chunking of attention), so the two paths give identical outputs.
+// roundings, same chunking of attention), so the two paths give identical outputs as
+// long as the separate path would also use the packed kernels for every layer (fewer
+// rows than any layer's switch to its dense copy; see LlamaModel._fused_step).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -54,7 +56,9 @@ class DecodeModel {
     L_ = static_cast<int64_t>(mats.size() / 4);
     TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L_ + 1), "2 norms a layer and a final one");
     TORCH_CHECK(H % Hkv == 0 && H / Hkv <= tm_decode::kMaxGroup, "query heads per kv head");
-    TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.size(1) == head_dim / 2, "cos: float32 [pos, d/2]");
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat && cos_.dim() == 2 &&
+                    cos_.size(1) == head_dim / 2 && sin_.sizes() == cos_.sizes(),
+                "cos, sin: float32 [positions, head_dim / 2]");
     for (size_t i = 0; i < mats.size(); ++i) {
       const auto& t = mats[i];
       TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() && t.size(1) % 320 == 0,
@@ -66,6 +70,7 @@ class DecodeModel {
       norms_.push_back(n);
     }
     hidden_ = norms_.back().numel();
+    for (auto& n : norms_) TORCH_CHECK(n.numel() == hidden_, "norm weights of the hidden size");
     inter_ = mats_[2].n / 2;
     for (int64_t l = 0; l < L_; ++l) {
       const Mat* m = &mats_[4 * l];
@@ -81,8 +86,9 @@ class DecodeModel {
     TORCH_CHECK(static_cast<int64_t>(k.size()) == L_ && static_cast<int64_t>(v.size()) == L_, "a cache per layer");
     for (int64_t l = 0; l < L_; ++l)
       TORCH_CHECK(k[l].is_contiguous() && v[l].is_contiguous() && k[l].scalar_type() == at::kBFloat16 &&
-                      k[l].size(0) == Hkv_ && k[l].size(2) == D_ && v[l].sizes() == k[l].sizes(),
-                  "layer ", l, ": cache [Hkv, slots, head_dim] bfloat16");
+                      v[l].scalar_type() == at::kBFloat16 && k[l].dim() == 3 && k[l].size(0) == Hkv_ &&
+                      k[l].size(2) == D_ && v[l].sizes() == k[l].sizes() && k[l].size(1) == k[0].size(1),
+                  "layer ", l, ": cache [Hkv, slots, head_dim] bfloat16, the same slots in every layer");
     k_ = std::move(k);
     v_ = std::move(v);
   }
@@ -176,7 +182,7 @@ class DecodeModel {
         }
 #pragma omp barrier
         {
-          // (the region has the threads it was planned for; any it lacks, thread 0 covers)
+          // (the region has the threads it was planned for; any it lacks, the last one covers)
           const int64_t u0 = bounds[std::min<int64_t>(tid, threads)];
           const int64_t u1 = tid + 1 < nt ? bounds[std::min<int64_t>(tid + 1, threads)] : first[M];
           tm_decode::run_units<BF16, D>(u0, u1, first, chunk, qkv.data(), nq, kc, vc, S, tb, mb, lens, Hkv, g, bs,
@@ -236,6 +242,7 @@ void bind_decode_step(pybind11::module& m) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<bool>, std::vector<torch::Tensor>, torch::Tensor,
                           torch::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("bind_cache", &DecodeModel::bind_cache)
-      .def("forward", &DecodeModel::forward);
+      // touches no Python object: other Python threads (the server's) run during a step
+      .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_step_available", &decode_step_available, "whether the fused int4 decode step was built");
 }
