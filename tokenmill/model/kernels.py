@@ -2,7 +2,7 @@
 extension builder: paged attention that reads the KV cache through block tables, and
 the small fused ops of a decode step (add + rms_norm, rotary embedding).
 
-The build (about a minute on two cores) is cached on disk by torch and shared between
+The build (one to two minutes on two cores) is cached on disk by torch and shared between
 processes (a file lock serializes concurrent builds). If it cannot be built, callers
 fall back to the pure-torch path and say so once in the log.
 """
