@@ -15,11 +15,9 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.quant import Int4Linear
-
+from tokenmill.model.quant import VNNI_PRECISE_WIDE_DENSE_FROM_ROWS, Int4Linear
 
 FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
-MIN_DENSE_SWITCH = 12  # ... unless some layer was set to use its dense copy below this
 
 
 class DenseLinear:
@@ -175,11 +173,11 @@ class LlamaModel:
 
     def _fused_step(self, ops, rows: int, kv_cache) -> bool:
         """Whether this step can run as one native call (csrc/decode_step.cpp): bf16 with
-        every matmul int4 on the VNNI kernels, and fewer rows than any layer's switch to
-        its dense copy. Builds the native model on first use, binds the cache when it changes."""
+        every layer matmul int4 on the VNNI kernels, and under FUSED_DECODE_ROWS rows.
+        Builds the native model on first use, binds the cache when it changes."""
         if self._fused is None:
             self._fused, self._fused_cache = False, None
-            lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            lins = list(self.layer_linears())
             usable = (self.dtype == torch.bfloat16 and hasattr(ops, "decode_step_available")
                       and ops.decode_step_available()
                       and all(isinstance(lin, Int4Linear) and lin._vnni is not None and lin.bias is None
@@ -194,9 +192,10 @@ class LlamaModel:
                 # its dense copy sooner (down, at 12): +9% output tok/s with 16 sequences
                 # decoding, measured. From that switch on, the fused step keeps the packed
                 # kernel where the separate ops would use the dense copy (results then differ
-                # by that rounding). A layer set to switch below 12 rows keeps its choice.
+                # by that rounding). A layer set to switch sooner than the measured default
+                # keeps its choice.
                 switch = min(lin.dense_from_rows for lin in lins)
-                self._fused_rows = FUSED_DECODE_ROWS if switch >= MIN_DENSE_SWITCH else switch
+                self._fused_rows = FUSED_DECODE_ROWS if switch >= VNNI_PRECISE_WIDE_DENSE_FROM_ROWS else switch
         if not self._fused or rows >= self._fused_rows:
             return False
         if self._fused_cache is not kv_cache:
@@ -221,5 +220,9 @@ class LlamaModel:
     def linears(self):
         """Every matmul's weight holder: the output projection, then each layer's."""
         yield self.lm_head
+        yield from self.layer_linears()
+
+    def layer_linears(self):
+        """Each layer's matmuls in order: qkv, o_proj, gate_up, down."""
         for layer in self.layers:
             yield from (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
