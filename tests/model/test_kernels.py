@@ -122,3 +122,26 @@ def test_int4_precise_mode_is_near_exact_activations():
     err = {lin.precise: (lin._vnni.q4_gemv(x, lin.tiles, True, lin.precise) - exact).norm() / exact.norm()
            for lin in (one, two)}
     assert err[True] < 1e-4 < err[False]
+
+
+@pytest.mark.parametrize("precise", [False, True])
+def test_int4_kernel_with_zero_and_outlier_groups(precise):
+    # an all-zero group of 16 inputs (its scale is 0) and an outlier channel, from float32
+    # and bfloat16 input; one level of int8 activations is exact to its own rounding,
+    # two levels to the float activations
+    lin = Int4Linear(torch.randn(64, 256, generator=_gen(0)) * 0.05, precise=precise)
+    if lin._vnni is None:
+        pytest.skip("no AVX-512 VNNI")
+    x = torch.randn(3, 256, generator=_gen(1))
+    x[:, :16] = 0.0
+    x[1, 40] = 60.0
+    qd = (lin._q.view(64, -1, GROUP).float() * lin.d.float()[..., None]).view(64, 256)
+    for inp in (x, x.to(torch.bfloat16)):
+        got = lin._vnni.q4_gemv(inp, lin.tiles, True, precise)
+        if precise:
+            want = inp.float() @ lin.dequantize().T
+        else:
+            xa, sums = _quantized_activations(inp)
+            want = xa @ qd.T + sums @ lin.m.float().T
+        assert torch.isfinite(got).all()
+        assert (got - want).norm() / want.norm() < (1e-4 if precise else 3e-3)

@@ -42,7 +42,31 @@ const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
     r.q2.resize(M * K);
     r.d2.resize(M * H);
   }
-  for (int64_t i = 0; i < M * H; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // One 16-input group is one vector. The scalar loop below cost ~12 us a layer for each
+  // thread of the fused decode step (both quantize the same rows), ~8% of a step.
+  for (; i < M * H; ++i) {
+    const __m512 f = tm_simd::load16(x + i * kXGroup);
+    const float d = _mm512_reduce_max_ps(_mm512_abs_ps(f)) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    // (the conversion rounds to nearest even, as nearbyint does in the default mode)
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(f, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + i * kXGroup), _mm512_cvtsepi32_epi8(qi));
+    r.d[i] = d;
+    r.qsum[i] = _mm512_reduce_add_epi32(qi);
+    if (precise) {
+      const __m512 res = _mm512_fnmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(qi), f);
+      const float d2 = _mm512_reduce_max_ps(_mm512_abs_ps(res)) / 127.f, inv2 = d2 > 0.f ? 1.f / d2 : 0.f;
+      const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(res, _mm512_set1_ps(inv2)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q2.data() + i * kXGroup), _mm512_cvtsepi32_epi8(q2));
+      r.d2[i] = d2;
+    }
+    const float s = _mm512_reduce_add_ps(f);
+    if (i % 2 == 0) r.sum[i / 2] = s;
+    else r.sum[i / 2] += s;
+  }
+#endif
+  for (; i < M * H; ++i) {
     const In* v = x + i * kXGroup;
     float f[kXGroup];
     float amax = 0.f, s = 0.f;
