@@ -35,6 +35,11 @@ class _Counting:
         self.rows.add(h.shape[0])
         return self.inner.forward(h, *args)
 
+    def forward_logits(self, ids, *args):
+        self.calls += 1
+        self.rows.add(ids.shape[0])
+        return self.inner.forward_logits(ids, *args)
+
 
 def test_fused_decode_step_equals_separate_ops(smol_int4):
     if ops is None or not ops.decode_step_available():
@@ -108,6 +113,43 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
     with pytest.raises(RuntimeError, match="slot or length out of range"):
         dm.forward(torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64),
                    torch.tensor([64]), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 16)
+
+
+def test_fused_logits_equal_forward_then_output_projection(smol_int4):
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+    model = smol_int4.model
+    cfg = model.cfg
+    engine = make_engine(smol_int4, num_blocks=64, prefix_caching=False)
+    fused = model._fused
+    if fused is None:  # built on first use: run one decode step to build and bind it
+        engine.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+        while engine.has_unfinished():
+            engine.step()
+        fused = model._fused
+    assert fused and model._fused_head
+    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(cfg.num_layers)]))
+    model._fused_cache = engine.kv_cache
+    # three sequences at their first decode step over an empty cache: 1, 5 and 9 tokens
+    # of context (zeros), one block table each
+    lens = torch.tensor([1, 5, 9])
+    tables = torch.tensor([[0], [1], [2]])
+    positions = lens - 1
+    slots = tables[:, 0] * 16 + positions
+    ids = torch.tensor([17, 4242, cfg.vocab_size - 1])
+    args = (positions, slots, tables, lens, 16)
+    hidden = fused.forward(model.embed[ids], *args)
+    want = model.logits(hidden)
+    logits, best = fused.forward_logits(ids, *args)
+    assert logits.dtype == torch.float32 and logits.shape == (3, cfg.vocab_size)
+    assert torch.equal(logits, want)
+    assert torch.equal(best, torch.from_numpy(want.numpy().argmax(axis=-1)))
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        fused.forward_logits(torch.tensor([cfg.vocab_size]), *[a[:1] for a in args[:4]], 16)
+    with pytest.raises(RuntimeError, match="head: uint8"):
+        fused.set_head(model.embed, model.lm_head.tiles[:, :-1].contiguous())
+    with pytest.raises(RuntimeError, match="embed: contiguous bf16"):
+        fused.set_head(model.embed.float(), model.lm_head.tiles)
 
 
 def test_hugepage_zeros_and_packing():

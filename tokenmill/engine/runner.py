@@ -93,17 +93,25 @@ class ModelRunner:
                 slots = torch.from_numpy(bt[i, grid // bs] * bs + grid % bs)
             meta.prefills.append(PrefillSeq(int(cu[i]), int(lens[i]), ctx, slots, seq_index=i))
 
-        hidden = self.model.forward(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
-                                    self.kv_cache)
-
+        ids_t, pos_t = torch.from_numpy(input_ids), torch.from_numpy(positions)
         sample_rows = [i for i, s in enumerate(sch) if s.sample]
-        if sample_rows:
+        wants_prompt = [s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) - 1 for s in sch]
+        fused = None
+        if D == T and len(sample_rows) == T and not any(wants_prompt):
+            decode_logits = getattr(self.model, "decode_logits", None)
+            fused = decode_logits(ids_t, pos_t, meta, self.kv_cache) if decode_logits is not None else None
+        if fused is not None:  # one native call from token ids to logits and their argmax
+            logits, greedy = fused
+        else:
+            greedy = None
+            hidden = self.model.forward(ids_t, pos_t, meta, self.kv_cache)
             if len(sample_rows) == T:  # a decode step that samples every row: no gather
                 logits = self.model.logits(hidden)
-            else:
+            elif sample_rows:
                 logits = self.model.logits(hidden.index_select(0, torch.from_numpy(cu[1:][sample_rows] - 1)))
+        if sample_rows:
             batch = self._sampling_batch([sch[i] for i in sample_rows])
-            so = sample(logits, batch)
+            so = sample(logits, batch, greedy)
             for j, i in enumerate(sample_rows):
                 s = sch[i]
                 result.sampled[s.request_id] = so.token_ids[j]
@@ -112,7 +120,7 @@ class ModelRunner:
                     top = list(zip(so.top_ids[j][:k], so.top_logprobs[j][:k])) if k else []
                     result.logprobs[s.request_id] = TokenLogprobs(so.logprobs[j], top)
         for i, s in enumerate(sch):
-            if s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) - 1:
+            if wants_prompt[i]:
                 result.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, hidden[cu[i]:cu[i + 1]])
         return result
 

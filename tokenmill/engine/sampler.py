@@ -101,8 +101,10 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    """logits [B, V] float32 -> one token per row (and logprobs when asked)."""
+def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None = None) -> SamplerOutput:
+    """logits [B, V] float32 -> one token per row (and logprobs when asked). argmax: the
+    rows' argmax if the caller has it already (used unless masking or penalties change
+    the logits first)."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs is not None else None
     if b.banned:
         logits = logits.clone()
@@ -110,7 +112,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             logits[row, ids] = float("-inf")
     if b.output_ids is not None:
         logits = _apply_penalties(logits, b)
-    greedy_tokens = _argmax(logits)
+    unchanged = not b.banned and b.output_ids is None
+    greedy_tokens = argmax if argmax is not None and unchanged else _argmax(logits)
     if b.all_greedy:
         tokens = greedy_tokens
     else:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.quant import VNNI_PRECISE_WIDE_DENSE_FROM_ROWS, Int4Linear
+from tokenmill.model.quant import VNNI_PRECISE_WIDE_DENSE_FROM_ROWS, Int4Linear, Int8Linear
 
 FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
 
@@ -93,6 +93,7 @@ class LlamaModel:
         # the whole decode step in one native call (see _fused_step); off to compare paths
         self.fused_decode = True
         self._fused = None  # DecodeModel, False where this model cannot use it
+        self._fused_head = False  # whether it also runs the embedding and output projection
         self._fused_rows = 0
         self._fused_cache = None
 
@@ -196,6 +197,12 @@ class LlamaModel:
                 # keeps its choice.
                 switch = min(lin.dense_from_rows for lin in lins)
                 self._fused_rows = FUSED_DECODE_ROWS if switch >= VNNI_PRECISE_WIDE_DENSE_FROM_ROWS else switch
+                head = self.lm_head
+                self._fused_head = (isinstance(head, Int8Linear) and head._vnni is not None and head.float_out
+                                    and head.bias is None and self.embed.dtype == torch.bfloat16
+                                    and self.embed.is_contiguous())
+                if self._fused_head:
+                    self._fused.set_head(self.embed, head.tiles)
         if not self._fused or rows >= self._fused_rows:
             return False
         if self._fused_cache is not kv_cache:
@@ -203,6 +210,22 @@ class LlamaModel:
             self._fused.bind_cache([k for k, _ in layers], [v for _, v in layers])
             self._fused_cache = kv_cache
         return True
+
+    @torch.inference_mode()
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A step of single-token decodes straight to (float32 logits [T, vocab], their row
+        argmax [T]) in one native call: the fused step with the embedding and the output
+        projection inside (the same numbers as forward, then logits). None where that
+        path does not apply; the caller then runs forward and logits."""
+        ops, T = meta.kernel, input_ids.shape[0]
+        if (ops is None or not self.fused_decode or meta.num_decodes != T or not ops.decode_attention_available()
+                or not self._fused_step(ops, T, kv_cache) or not self._fused_head
+                or T >= self.lm_head.dense_from_rows):
+            return None
+        logits, best = self._fused.forward_logits(input_ids, positions, meta.slot_mapping, meta.block_tables,
+                                                  meta.seq_lens, meta.block_size)
+        return logits, best
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -98,8 +98,54 @@ class DecodeModel {
   // output [M, hidden].
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size) {
-    TORCH_CHECK(!k_.empty(), "bind_cache first");
     TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.size(1) == hidden_, "h: bf16 [M, hidden]");
+    auto hc = h.contiguous();
+    auto out = torch::empty_like(hc);
+    step(hc, positions, slot_mapping, block_tables, seq_lens, block_size, out, nullptr);
+    return out;
+  }
+
+  // The output projection (int8 tiles, see quant_gemv.cpp) and the embedding, for
+  // forward_logits. The projection's float32 logits are the ones q8_gemv gives.
+  void set_head(torch::Tensor embed, torch::Tensor head_tiles) {
+    TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.dim() == 2 && embed.size(1) == hidden_ &&
+                    embed.is_contiguous(), "embed: contiguous bf16 [vocab, hidden]");
+    TORCH_CHECK(head_tiles.scalar_type() == at::kByte && head_tiles.dim() == 2 && head_tiles.is_contiguous() &&
+                    head_tiles.size(1) == 64 + hidden_ / tm_quant::kGroup * 512, "head: uint8 int8 tiles [N/16, 64 + K/32 * 512]");
+    embed_ = embed;
+    head_ = head_tiles;
+  }
+
+  // token ids [M] -> {logits float32 [M, vocab], argmax int64 [M]} (the first maximum).
+  // Saves the step's embedding, output projection and sampling argmax as separate calls:
+  // each cost tens of microseconds with the caches cold from the weight stream.
+  std::vector<torch::Tensor> forward_logits(torch::Tensor ids, torch::Tensor positions, torch::Tensor slot_mapping,
+                                            torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size) {
+    TORCH_CHECK(head_.defined(), "set_head first");
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids: int64 [M]");
+    auto idc = ids.contiguous();
+    const int64_t M = idc.numel(), V = head_.size(0) * tm_quant::kTile;
+    const int64_t* ip = idc.data_ptr<int64_t>();
+    for (int64_t b = 0; b < M; ++b) TORCH_CHECK(ip[b] >= 0 && ip[b] < embed_.size(0), "token id out of range");
+    auto h = embed_.index_select(0, idc);
+    auto logits = torch::empty({M, V}, h.options().dtype(at::kFloat));
+    auto best = torch::empty({M}, idc.options());
+    Head head{logits.data_ptr<float>(), best.data_ptr<int64_t>(), V};
+    step(h, positions, slot_mapping, block_tables, seq_lens, block_size, h, &head);
+    return {logits, best};
+  }
+
+ private:
+  struct Head {
+    float* logits;
+    int64_t* best;
+    int64_t V;
+  };
+
+  void step(const torch::Tensor& h, const torch::Tensor& positions, const torch::Tensor& slot_mapping,
+            const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t block_size, torch::Tensor& out,
+            const Head* head) {
+    TORCH_CHECK(!k_.empty(), "bind_cache first");
     const int64_t M = h.size(0);
     for (const auto* t : {&positions, &slot_mapping, &seq_lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == M, "int64 [M] positions, slots, lengths");
@@ -109,26 +155,24 @@ class DecodeModel {
     for (int64_t b = 0; b < M; ++b) TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_.size(0), "position out of range");
     auto hc = h.contiguous();
     auto tables = block_tables.contiguous();
-    auto out = torch::empty_like(hc);
 #if TM_FUSED_DECODE
     switch (D_) {
-      case 64: run<64>(hc, pos, slots_t, tables, lens_t, block_size, out); break;
-      case 80: run<80>(hc, pos, slots_t, tables, lens_t, block_size, out); break;
-      case 96: run<96>(hc, pos, slots_t, tables, lens_t, block_size, out); break;
-      case 128: run<128>(hc, pos, slots_t, tables, lens_t, block_size, out); break;
+      case 64: run<64>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
+      case 80: run<80>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
+      case 96: run<96>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
+      case 128: run<128>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
       default: TORCH_CHECK(false, "head_dim ", D_, " not built");
     }
 #else
     TORCH_CHECK(false, "the fused decode step needs AVX-512 VNNI and BF16");
 #endif
-    return out;
   }
 
- private:
 #if TM_FUSED_DECODE
   template <int D>
   void run(const torch::Tensor& h, const int64_t* pos, const torch::Tensor& slot_mapping,
-           const torch::Tensor& tables, const torch::Tensor& seq_lens, int64_t bs, torch::Tensor& out) {
+           const torch::Tensor& tables, const torch::Tensor& seq_lens, int64_t bs, torch::Tensor& out,
+           const Head* head) {
     using tm_quant::QuantX;
     const int64_t M = h.size(0), hid = hidden_, I = inter_, H = H_, Hkv = Hkv_, g = H / Hkv;
     const int64_t nq = (H + 2 * Hkv) * D, half = D / 2, S = k_[0].size(1), mb = tables.size(1);
@@ -149,6 +193,9 @@ class DecodeModel {
     // shared between the threads: each matmul's output, attention's partial results
     std::vector<BF16> qkv(M * nq), o(M * hid), gu(M * 2 * I), dn(M * hid);
     std::vector<float> parts(first[M] * g * (D + 2));
+    // each thread's best logit and its index per row, over the vocabulary slice it computed
+    std::vector<float> best_val(threads * M, -std::numeric_limits<float>::infinity());
+    std::vector<int64_t> best_idx(threads * M, 0);
     const BF16* h0 = h.data_ptr<BF16>();
     BF16* outp = out.data_ptr<BF16>();
     auto mm = [&](const Mat& m, const QuantX& xq, int64_t t0, int64_t t1, BF16* y) {
@@ -217,13 +264,39 @@ class DecodeModel {
         for (int64_t b = 0; b < M; ++b)
           tm_rows::add_rms_row(hp.data() + b * hid, dn.data() + b * hid, next, xp.data() + b * hid, hid, eps);
       }
-      if (tid == 0) std::copy(xp.begin(), xp.end(), outp);
+      if (head) {
+        // every thread holds the final norm's output: no barrier before the projection
+        const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, false);
+        const int64_t V = head->V;
+        const auto [t0, t1] = share(V / 16, tid, nt);
+        tm_quant::tiles_range<0>(head_.data_ptr<uint8_t>(), head_.size(1), xq, M, hid, V, t0, t1, head->logits);
+        if (tid < threads && t1 > t0)
+          for (int64_t b = 0; b < M; ++b) {
+            const float* row = head->logits + b * V;
+            int64_t bi = 16 * t0;
+            for (int64_t c = 16 * t0 + 1; c < 16 * t1; ++c)
+              if (row[c] > row[bi]) bi = c;
+            best_val[tid * M + b] = row[bi];
+            best_idx[tid * M + b] = bi;
+          }
+      } else if (tid == 0) {
+        std::copy(xp.begin(), xp.end(), outp);
+      }
     }
+    if (head)  // the slices in vocabulary order, so the first maximum wins ties
+      for (int64_t b = 0; b < M; ++b) {
+        int64_t bi = best_idx[b];
+        float bv = best_val[b];
+        for (int64_t t = 1; t < threads; ++t)
+          if (best_val[t * M + b] > bv) bv = best_val[t * M + b], bi = best_idx[t * M + b];
+        head->best[b] = bi;
+      }
   }
 #endif
 
   std::vector<Mat> mats_;
   std::vector<torch::Tensor> norms_, k_, v_;
+  torch::Tensor embed_, head_;  // optional (set_head)
   torch::Tensor cos_, sin_;
   int64_t L_ = 0, H_, Hkv_, D_, hidden_ = 0, inter_ = 0;
   double eps_, scale_;
@@ -242,7 +315,9 @@ void bind_decode_step(pybind11::module& m) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<bool>, std::vector<torch::Tensor>, torch::Tensor,
                           torch::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("bind_cache", &DecodeModel::bind_cache)
+      .def("set_head", &DecodeModel::set_head)
       // touches no Python object: other Python threads (the server's) run during a step
-      .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_logits", &DecodeModel::forward_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_step_available", &decode_step_available, "whether the fused int4 decode step was built");
 }
