@@ -60,6 +60,21 @@ def test_decode_attention_matches_reference(dtype, H, Hkv, D, lens):
         assert torch.allclose(out[b].float(), want, atol=tol, rtol=tol), (b, n)
 
 
+def test_decode_attention_rejects_empty_sequences_and_bad_slots():
+    if not ops.decode_attention_available():
+        pytest.skip("decode_attention needs AVX-512")
+    H, Hkv, D, bs = 4, 2, 64, 16
+    cache = torch.zeros(Hkv, 4 * bs, D)
+    qkv = torch.randn(3, (H + 2 * Hkv) * D)
+    tables = torch.tensor([[0], [1], [2]])
+    slots = torch.tensor([4, 16, 38])
+    ops.decode_attention(qkv, cache, cache.clone(), slots, tables, torch.tensor([5, 1, 7]), H, Hkv, bs, 0.125)
+    for lens, sl in ((torch.tensor([5, 0, 7]), slots), (torch.tensor([5, 1, 17]), slots),
+                     (torch.tensor([5, 1, 7]), torch.tensor([4, 16, 4 * bs]))):
+        with pytest.raises(RuntimeError, match="slot or length out of range"):
+            ops.decode_attention(qkv, cache, cache.clone(), sl, tables, lens, H, Hkv, bs, 0.125)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [1536, 40])  # 40: a tail past the 16-lane loop
 def test_silu_mul(dtype, inter):

@@ -198,11 +198,10 @@ class LlamaModel:
                 switch = min(lin.dense_from_rows for lin in lins)
                 self._fused_rows = FUSED_DECODE_ROWS if switch >= VNNI_PRECISE_WIDE_DENSE_FROM_ROWS else switch
                 head = self.lm_head
-                self._fused_head = (isinstance(head, Int8Linear) and head._vnni is not None and head.float_out
-                                    and head.bias is None and self.embed.dtype == torch.bfloat16
-                                    and self.embed.is_contiguous())
-                if self._fused_head:
+                if (isinstance(head, Int8Linear) and head._vnni is not None and head.float_out
+                        and head.bias is None and self.embed.dtype == torch.bfloat16 and self.embed.is_contiguous()):
                     self._fused.set_head(self.embed, head.tiles)
+                    self._fused_head = True
         if not self._fused or rows >= self._fused_rows:
             return False
         if self._fused_cache is not kv_cache:

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <cstring>
 #include <vector>
 
 #include "decode_attention.h"
@@ -34,6 +35,16 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
   const int64_t per = (n + nt - 1) / nt;
   return {std::min(n, t * per), std::min(n, (t + 1) * per)};
 }
+
+// For an argmax scanning in index order: whether value a, seen after b, replaces it. NaN
+// counts as the largest and the first one stays, as numpy's and torch's argmax do; bits,
+// not std::isnan, since -ffast-math lets the compiler assume no NaN.
+inline bool is_nan(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u;
+}
+inline bool later_wins(float a, float b) { return !is_nan(b) && (is_nan(a) || a > b); }
 
 struct Mat {
   torch::Tensor tiles;
@@ -275,7 +286,7 @@ class DecodeModel {
             const float* row = head->logits + b * V;
             int64_t bi = 16 * t0;
             for (int64_t c = 16 * t0 + 1; c < 16 * t1; ++c)
-              if (row[c] > row[bi]) bi = c;
+              if (later_wins(row[c], row[bi])) bi = c;
             best_val[tid * M + b] = row[bi];
             best_idx[tid * M + b] = bi;
           }
@@ -288,7 +299,7 @@ class DecodeModel {
         int64_t bi = best_idx[b];
         float bv = best_val[b];
         for (int64_t t = 1; t < threads; ++t)
-          if (best_val[t * M + b] > bv) bv = best_val[t * M + b], bi = best_idx[t * M + b];
+          if (later_wins(best_val[t * M + b], bv)) bv = best_val[t * M + b], bi = best_idx[t * M + b];
         head->best[b] = bi;
       }
   }

@@ -185,10 +185,15 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * d && seq_lens.numel() == B && slot_mapping.numel() == B);
   auto bt = block_tables.contiguous();
   auto out = torch::empty({B, H * d}, qkv.options());
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  auto slots_c = slot_mapping.contiguous(), lens_c = seq_lens.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  const int64_t* lens = lens_c.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   const int64_t mb = bt.size(1);
+  // (a sequence without tokens would have no work units: there is no query to attend)
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= mb * block_size && slots[b] >= 0 && slots[b] < k_cache.size(1),
+                "decode_attention: slot or length out of range");
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const int64_t* tables = bt.data_ptr<int64_t>();
