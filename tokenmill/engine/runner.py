@@ -103,8 +103,7 @@ class ModelRunner:
         wants_prompt = [s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) - 1 for s in sch]
         fused = None
         if D == T and len(sample_rows) == T and not any(wants_prompt):
-            decode_logits = getattr(self.model, "decode_logits", None)
-            fused = decode_logits(ids_t, pos_t, meta, self.kv_cache) if decode_logits is not None else None
+            fused = self.model.decode_logits(ids_t, pos_t, meta, self.kv_cache)
         if fused is not None:  # one native call from token ids to logits and their argmax
             logits, greedy = fused
         else:

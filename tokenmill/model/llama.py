@@ -147,7 +147,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         decode_only = meta.num_decodes == T and ops.decode_attention_available()
-        if decode_only and self.fused_decode and self._fused_step(ops, T, kv_cache):
+        if self._fused_step(ops, meta, T, kv_cache):
             return self._fused.forward(h, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                        meta.block_size)
         cos = self.cos32.index_select(0, positions)
@@ -172,10 +172,13 @@ class LlamaModel:
             x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), next_norm, eps)
         return x
 
-    def _fused_step(self, ops, rows: int, kv_cache) -> bool:
-        """Whether this step can run as one native call (csrc/decode_step.cpp): bf16 with
-        every layer matmul int4 on the VNNI kernels, and under FUSED_DECODE_ROWS rows.
-        Builds the native model on first use, binds the cache when it changes."""
+    def _fused_step(self, ops, meta: AttentionMetadata, rows: int, kv_cache) -> bool:
+        """Whether this step can run as one native call (csrc/decode_step.cpp): single-token
+        decodes only, bf16 with every layer matmul int4 on the VNNI kernels, and under
+        FUSED_DECODE_ROWS rows. Builds the native model on first use, binds the cache when
+        it changes."""
+        if not (self.fused_decode and meta.num_decodes == rows and ops.decode_attention_available()):
+            return False
         if self._fused is None:
             self._fused, self._fused_cache = False, None
             lins = list(self.layer_linears())
@@ -218,8 +221,7 @@ class LlamaModel:
         projection inside (the same numbers as forward, then logits). None where that
         path does not apply; the caller then runs forward and logits."""
         ops, T = meta.kernel, input_ids.shape[0]
-        if (ops is None or not self.fused_decode or meta.num_decodes != T or not ops.decode_attention_available()
-                or not self._fused_step(ops, T, kv_cache) or not self._fused_head
+        if (ops is None or not self._fused_step(ops, meta, T, kv_cache) or not self._fused_head
                 or T >= self.lm_head.dense_from_rows):
             return None
         logits, best = self._fused.forward_logits(input_ids, positions, meta.slot_mapping, meta.block_tables,
