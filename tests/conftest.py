@@ -38,3 +38,11 @@ def hf_tokenizer(embedded_path):
     transformers = pytest.importorskip("transformers")
     d, f = os.path.split(embedded_path)
     return transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+@pytest.fixture(scope="session")
+def smol_int4(embedded_path):
+    """The embedded model in the default configuration (bfloat16, int4 matmuls)."""
+    from tokenmill.model.loader import load_model
+
+    return load_model(embedded_path, "bfloat16", "int4")

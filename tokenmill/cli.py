@@ -30,7 +30,7 @@ def _fail(message: str) -> None:
 
 def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_gb: Optional[float],
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
-                  enable_prefix_caching: bool, num_threads: Optional[int]):
+                  enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8):
     from tokenmill.config import CacheConfig, EngineConfig, ModelOptions
     from tokenmill.engine.scheduler import SchedulerConfig
 
@@ -38,7 +38,8 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
         model=ModelOptions(path=model, dtype=dtype, quantization=quantization),
         cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb,
                           enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  decode_steps=decode_steps),
         max_model_len=max_model_len,
         num_threads=num_threads,
     )
@@ -79,6 +80,9 @@ def serve(
                                                 help="KV cache size (default: 1/4 of free memory, max 2 GiB)."),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Most sequences in one step."),
     max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="Token budget per step."),
+    decode_steps: int = typer.Option(8, "--decode-steps",
+                                     help="Greedy decode steps run natively in one go, shared among the "
+                                          "sequences (tokens stream in bursts); 1: one step at a time."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context window (default: model's)."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching"),
@@ -138,8 +142,11 @@ def serve(
     policy = ServicePolicy(keys=keys, defaults=defaults, card=card,
                            admission=AdmissionConfig(max_waiting_interactive=max_waiting,
                                                      max_waiting_batch=max_waiting_batch))
-    config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
-                           block_size, prefix_caching, num_threads)
+    try:
+        config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
+                               max_model_len, block_size, prefix_caching, num_threads, decode_steps)
+    except ValueError as exc:
+        _fail(str(exc))
     if engine_mode not in ("thread", "process"):
         _fail(f"--engine must be thread or process, got {engine_mode!r}")
     try:

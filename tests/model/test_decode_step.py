@@ -17,13 +17,6 @@ from tokenmill.model.memory import HUGE_PAGE, hugepage_zeros, pack_together
 ops = native_ops()
 
 
-@pytest.fixture(scope="module")
-def smol_int4(embedded_path):
-    from tokenmill.model.loader import load_model
-
-    return load_model(embedded_path, "bfloat16", "int4")
-
-
 class _Counting:
     """Stands in for the native DecodeModel to count the steps it ran."""
 
@@ -39,6 +32,11 @@ class _Counting:
         self.calls += 1
         self.rows.add(ids.shape[0])
         return self.inner.forward_logits(ids, *args)
+
+    def decode_greedy(self, ids, *args):
+        self.calls += args[-1]
+        self.rows.add(ids.shape[0])
+        return self.inner.decode_greedy(ids, *args)
 
 
 def test_fused_decode_step_equals_separate_ops(smol_int4):
@@ -150,6 +148,46 @@ def test_fused_logits_equal_forward_then_output_projection(smol_int4):
         fused.set_head(model.embed, model.lm_head.tiles[:, :-1].contiguous())
     with pytest.raises(RuntimeError, match="embed: contiguous bf16"):
         fused.set_head(model.embed.float(), model.lm_head.tiles)
+
+
+def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+    model = smol_int4.model
+    cfg = model.cfg
+    engine = make_engine(smol_int4, num_blocks=64, prefix_caching=False)
+    engine.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    fused = model._fused
+    assert fused and model._fused_head
+    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(cfg.num_layers)]))
+    model._fused_cache = engine.kv_cache
+    # three sequences of 1, 5 and 14 tokens (the cache as the warm-up left it); the third
+    # crosses into its second block on the way
+    lens = torch.tensor([1, 5, 14])
+    tables = torch.tensor([[0, 3], [1, 4], [2, 5]])
+    ids = torch.tensor([17, 4242, cfg.vocab_size - 1])
+    steps = 6
+    got = fused.decode_greedy(ids, lens - 1, tables, lens, 16, steps)
+    assert got.dtype == torch.int64 and got.shape == (steps, 3)
+    want, cur = [], ids
+    for s in range(steps):
+        pos = lens - 1 + s
+        slots = tables.gather(1, (pos // 16).unsqueeze(1)).squeeze(1) * 16 + pos % 16
+        logits, cur = fused.forward_logits(cur, pos, slots, tables, lens + s, 16)
+        assert torch.equal(cur, torch.from_numpy(logits.numpy().argmax(axis=-1)))
+        want.append(cur)
+    assert torch.equal(got, torch.stack(want))
+    assert len(set(got[:, 2].tolist())) > 1  # a real continuation, not one token repeated
+    with pytest.raises(RuntimeError, match="steps must be positive"):
+        fused.decode_greedy(ids, lens - 1, tables, lens, 16, 0)
+    with pytest.raises(RuntimeError, match="do not hold every step"):
+        fused.decode_greedy(ids, lens - 1, tables, lens, 16, 20)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        fused.decode_greedy(ids, lens - 1, torch.tensor([[0, 3], [1, 4], [2, 10 ** 6]]), lens, 16, steps)
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        fused.decode_greedy(torch.tensor([-1, 0, 0]), lens - 1, tables, lens, 16, 1)
 
 
 def test_hugepage_zeros_and_packing():

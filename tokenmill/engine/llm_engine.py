@@ -155,14 +155,14 @@ class LLMEngine:
             return expired
         result = self.runner.execute(out)
         produced = self.scheduler.update(out, result.sampled)
-        self.steps += 1
-        self.generation_tokens += len(produced)
+        self.steps += out.num_steps
         self.prompt_tokens_computed += sum(
             len(s.token_ids) for s in out.scheduled if s.start < len(s.prompt_token_ids))
         outputs = self.outputs.process(
             produced, result,
             on_stop=lambda r: self.scheduler.finish(r.request_id, RequestStatus.FINISHED_STOPPED))
         for o in outputs:
+            self.generation_tokens += len(o.new_token_ids)
             if o.finished:
                 self._forget(o)
         return expired + outputs

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenmill.engine.request import Request, RequestTimes
+from tokenmill.engine.request import Request, RequestStatus, RequestTimes
 from tokenmill.engine.runner import RunnerOutput
 from tokenmill.model.detokenizer import IncrementalDetokenizer
 from tokenmill.model.tokenizer import Tokenizer
@@ -53,6 +53,7 @@ class _TextState:
             [None] if sp.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False
         self.stopped = False  # a stop string ended the text: nothing after it is emitted
+        self.num_sent = 0  # output tokens already passed on (a step may add several)
 
 
 class OutputProcessor:
@@ -77,15 +78,24 @@ class OutputProcessor:
                     st.prompt_logprobs.append(TokenLogprob(t, lp.logprob, lp.top))
         for req in produced:
             st = self._states[req.request_id]
-            tok = req.output_token_ids[-1]
-            if st.detok is not None:
-                st.pending += st.detok.add(tok)
-            if st.stops and not req.finished and self._stop_hit(req, st):
-                on_stop(req)
+            toks = req.output_token_ids[st.num_sent:]
+            for j, tok in enumerate(toks):
+                if st.detok is not None:
+                    st.pending += st.detok.add(tok)
+                if st.stops and self._stop_hit(req, st):
+                    # tokens a burst of steps made after the stop string are not output
+                    del req.output_token_ids[st.num_sent + j + 1:]
+                    del toks[j + 1:]
+                    if req.finished:  # the scheduler ended it on a later token (length, EOS)
+                        req.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        on_stop(req)
+                    break
+            st.num_sent += len(toks)
             text = self._flush(st) if req.finished else self._release(st)
             lp = result.logprobs.get(req.request_id)
-            logprobs = [TokenLogprob(tok, lp.logprob, lp.top)] if lp is not None else None
-            outputs.append(self._output(req, st, [tok], text, logprobs))
+            logprobs = [TokenLogprob(toks[0], lp.logprob, lp.top)] if lp is not None else None
+            outputs.append(self._output(req, st, toks, text, logprobs))
         return outputs
 
     def finished_output(self, req: Request) -> RequestOutput | None:

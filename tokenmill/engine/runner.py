@@ -8,7 +8,7 @@ is kept here and dropped when the scheduler reports the request finished.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import numpy as np
@@ -33,7 +33,7 @@ class TokenLogprobs:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # one token a step
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> [(position, token id, logprob, top)] for prompt tokens scored this step
     prompt_logprobs: dict[str, list[tuple[int, int, TokenLogprobs]]] = field(default_factory=dict)
@@ -58,10 +58,29 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for rid in out.finished_ids:
             self._generators.pop(rid, None)
-        result = RunnerOutput()
-        sch = out.scheduled
-        if not sch:
-            return result
+        if not out.scheduled:
+            return RunnerOutput()
+        if out.num_steps > 1:
+            return self._decode_steps(out.scheduled, out.num_steps)
+        return self._step(out.scheduled)
+
+    def _decode_steps(self, sch: list[ScheduledRequest], steps: int) -> RunnerOutput:
+        """`steps` greedy decode steps, each step's argmax the next one's input: one native
+        call where the model has it, else step by step (the same tokens either way)."""
+        ids_t, pos_t, meta, _ = self._inputs(sch)
+        toks = self.model.decode_greedy(ids_t, pos_t, meta, self.kv_cache, steps)
+        if toks is not None:
+            return RunnerOutput(sampled={s.request_id: toks[:, i].tolist() for i, s in enumerate(sch)})
+        result = RunnerOutput(sampled={s.request_id: [] for s in sch})
+        for _ in range(steps):
+            step = self._step(sch)
+            for s in sch:
+                result.sampled[s.request_id] += step.sampled[s.request_id]
+            sch = [replace(s, token_ids=step.sampled[s.request_id], start=s.start + 1) for s in sch]
+        return result
+
+    def _inputs(self, sch: list[ScheduledRequest]):
+        """The flat batch: token ids, positions, the attention metadata, query offsets."""
         bs = self.block_size
         S = len(sch)
         lens = np.fromiter((len(s.token_ids) for s in sch), dtype=np.int64, count=S)
@@ -97,8 +116,12 @@ class ModelRunner:
                 grid = np.arange(seq_lens[i])
                 slots = torch.from_numpy(bt[i, grid // bs] * bs + grid % bs)
             meta.prefills.append(PrefillSeq(int(cu[i]), int(lens[i]), ctx, slots, seq_index=i))
+        return torch.from_numpy(input_ids), torch.from_numpy(positions), meta, cu
 
-        ids_t, pos_t = torch.from_numpy(input_ids), torch.from_numpy(positions)
+    def _step(self, sch: list[ScheduledRequest]) -> RunnerOutput:
+        result = RunnerOutput()
+        ids_t, pos_t, meta, cu = self._inputs(sch)
+        T, D = ids_t.shape[0], meta.num_decodes
         sample_rows = [i for i, s in enumerate(sch) if s.sample]
         wants_prompt = [s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) - 1 for s in sch]
         fused = None
@@ -118,7 +141,7 @@ class ModelRunner:
             so = sample(logits, batch, greedy)
             for j, i in enumerate(sample_rows):
                 s = sch[i]
-                result.sampled[s.request_id] = so.token_ids[j]
+                result.sampled[s.request_id] = [so.token_ids[j]]
                 if s.params.logprobs is not None:
                     k = s.params.logprobs
                     top = list(zip(so.top_ids[j][:k], so.top_logprobs[j][:k])) if k else []

@@ -63,10 +63,17 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 8192
+    # Greedy decode steps that may run as one engine step (the runner loops natively, not
+    # returning to Python) when every scheduled request is a plain greedy decode and none
+    # waits to be admitted, divided among the requests: one sequence runs this many, 2 half
+    # as many, and from this many sequences on there are no bursts. A burst so lasts about
+    # as long as this many one-sequence steps (~4 ms each): tokens stream in bursts, and a
+    # request arriving meanwhile waits for the burst's end. 1: one step at a time.
+    decode_steps: int = 8
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.decode_steps < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and decode_steps must be positive")
 
 
 @dataclass
@@ -88,6 +95,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
     num_scheduled_tokens: int = 0
+    # >1: every scheduled request is a greedy decode; run this many steps, each step's
+    # argmax the next step's input (the blocks for all of them are allocated)
+    num_steps: int = 1
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
 
@@ -225,6 +235,10 @@ class Scheduler:
                 budget -= chosen[req.request_id][1]
                 per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
 
+        if (self.config.decode_steps > 1 and not out.preempted_ids and not len(self.waiting)
+                and chosen and all(n == 1 for _, n in chosen.values())):
+            out.num_steps = self._burst_steps([r for r, _ in chosen.values()])
+
         # Decodes first in the flat batch; then prefill chunks.
         for req, num_new in sorted(chosen.values(), key=lambda x: x[1] > 1):
             start = req.num_computed_tokens
@@ -245,6 +259,27 @@ class Scheduler:
             ))
             out.num_scheduled_tokens += num_new
         return out
+
+    def _burst_steps(self, reqs: list[Request]) -> int:
+        """How many decode steps these decodes (one token each, blocks for it allocated)
+        run in one go: decode_steps shared among them, 1 unless each one's next tokens
+        depend on nothing but the argmax (greedy, no logprobs, no penalties, min_tokens
+        met), capped by each one's remaining length; the blocks for the extra steps are
+        allocated here (1 if the pool can't)."""
+        steps = self.config.decode_steps // len(reqs)
+        for req in reqs:
+            sp = req.params
+            if (not sp.greedy or sp.logprobs is not None or sp.has_penalties
+                    or req.num_output_tokens < sp.min_tokens):
+                return 1
+            steps = min(steps, req.max_tokens - req.num_output_tokens,
+                        self.config.max_model_len - req.num_tokens)
+        if steps <= 1:
+            return 1
+        for req in reqs:
+            if self.kv.allocate_slots(req, steps) is None:
+                return 1  # what was grown stays with its request: its next tokens need it
+        return steps
 
     def _slot_victim(self, req: Request, per_tenant: dict[str | None, int]) -> Request | None:
         """When every sequence slot is taken: a running request that should yield its slot
@@ -305,9 +340,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counters, append sampled tokens, apply token-level stops.
-        Returns the requests that produced a token this step."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed counters, append sampled tokens (one a step), apply token-level
+        stops: tokens after a stop are dropped. Returns the requests that produced tokens."""
         now = time.monotonic()
         produced = []
         for sr in out.scheduled:
@@ -315,16 +350,22 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += len(sr.token_ids)
-            self.kv.cache_blocks(req)
             if not sr.sample:
+                self.kv.cache_blocks(req)
                 continue
-            tok = sampled[sr.request_id]
-            req.output_token_ids.append(tok)
             if req.times.first_token is None:
                 req.times.first_token = now
-            req.times.tokens.append(now)
             produced.append(req)
-            status = self._stop_status(req, tok)
+            status = None
+            for j, tok in enumerate(sampled[sr.request_id]):
+                if j:  # a burst: the step that sampled this token wrote the previous one's K/V
+                    req.num_computed_tokens += 1
+                req.output_token_ids.append(tok)
+                req.times.tokens.append(now)
+                status = self._stop_status(req, tok)
+                if status is not None:
+                    break
+            self.kv.cache_blocks(req)
             if status is not None:
                 self.finish(req.request_id, status)
         return produced

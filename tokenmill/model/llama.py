@@ -213,6 +213,12 @@ class LlamaModel:
             self._fused_cache = kv_cache
         return True
 
+    def _fused_to_logits(self, meta: AttentionMetadata, rows: int, kv_cache) -> bool:
+        """Whether the fused step applies and also holds the embedding and the output
+        projection (which its kernel serves at this many rows)."""
+        return (meta.kernel is not None and self._fused_step(meta.kernel, meta, rows, kv_cache)
+                and self._fused_head and rows < self.lm_head.dense_from_rows)
+
     @torch.inference_mode()
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_cache) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -220,13 +226,23 @@ class LlamaModel:
         argmax [T]) in one native call: the fused step with the embedding and the output
         projection inside (the same numbers as forward, then logits). None where that
         path does not apply; the caller then runs forward and logits."""
-        ops, T = meta.kernel, input_ids.shape[0]
-        if (ops is None or not self._fused_step(ops, meta, T, kv_cache) or not self._fused_head
-                or T >= self.lm_head.dense_from_rows):
+        if not self._fused_to_logits(meta, input_ids.shape[0], kv_cache):
             return None
         logits, best = self._fused.forward_logits(input_ids, positions, meta.slot_mapping, meta.block_tables,
                                                   meta.seq_lens, meta.block_size)
         return logits, best
+
+    @torch.inference_mode()
+    def decode_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache, steps: int) -> torch.Tensor | None:
+        """`steps` single-token decode steps in one native call, each step's argmax the next
+        step's token (the tokens decode_logits and an argmax would pick step by step):
+        int64 [steps, T]. The block tables must hold every step's slot. None where the
+        fused path does not apply."""
+        if not self._fused_to_logits(meta, input_ids.shape[0], kv_cache):
+            return None
+        return self._fused.decode_greedy(input_ids, positions, meta.block_tables, meta.seq_lens,
+                                         meta.block_size, steps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
