@@ -46,6 +46,38 @@ inline bool is_nan(float x) {
 }
 inline bool later_wins(float a, float b) { return !is_nan(b) && (is_nan(a) || a > b); }
 
+#if defined(__AVX512F__)
+// The first maximum of row[c0, c1) (c1 - c0 a positive multiple of 16), as later_wins
+// scans it: 16 lanes each keep their own first maximum, then the largest value's
+// lowest index wins; a row holding a NaN takes the scalar scan. ~3 us for half the
+// vocabulary where the scalar scan took ~36 (a step's 1%).
+inline int64_t first_max(const float* row, int64_t c0, int64_t c1) {
+  const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF), inf_bits = _mm512_set1_epi32(0x7F800000);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  __m512 best = _mm512_loadu_ps(row + c0);
+  __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(c0)),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512i best_at = at;
+  __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(best), abs_bits), inf_bits);
+  for (int64_t c = c0 + 16; c < c1; c += 16) {
+    const __m512 v = _mm512_loadu_ps(row + c);
+    at = _mm512_add_epi32(at, sixteen);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    best_at = _mm512_mask_mov_epi32(best_at, gt, at);
+    nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_bits), inf_bits);
+  }
+  if (nan) {
+    int64_t bi = c0;
+    for (int64_t c = c0 + 1; c < c1; ++c)
+      if (later_wins(row[c], row[bi])) bi = c;
+    return bi;
+  }
+  const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(top, best_at);
+}
+#endif
+
 struct Mat {
   torch::Tensor tiles;
   int64_t n = 0, k = 0, tile_bytes = 0;
@@ -342,9 +374,7 @@ class DecodeModel {
         if (tid < threads && t1 > t0)
           for (int64_t b = 0; b < M; ++b) {
             const float* row = head->logits + b * V;
-            int64_t bi = 16 * t0;
-            for (int64_t c = 16 * t0 + 1; c < 16 * t1; ++c)
-              if (later_wins(row[c], row[bi])) bi = c;
+            const int64_t bi = first_max(row, 16 * t0, 16 * t1);
             best_val[tid * M + b] = row[bi];
             best_idx[tid * M + b] = bi;
           }
