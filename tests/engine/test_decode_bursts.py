@@ -37,7 +37,7 @@ def _run(engine, requests):
                 finish[key] = (out.finish_reason, out.stop_reason)
                 usage[key] = out.num_output_tokens
         engine.kv.check_integrity()
-    assert engine.kv.num_used_blocks == 0 or engine.kv.enable_caching
+    assert engine.kv.num_used_blocks == 0  # no block left behind (cached ones are free)
     return (tokens, texts, finish, usage), calls
 
 
@@ -52,7 +52,7 @@ def _both(loaded, requests, **kw):
 def test_bursts_equal_single_steps_on_the_fallback_path(tiny):
     greedy = _run(make_engine(tiny), {"g": (_prompt(12), SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True))})[0][0][("g", 0)]
-    stop_tok = greedy[13]  # a stop token ids that comes up inside the second burst
+    stop_tok = greedy[13]  # a stop token id that comes up (at the latest) inside a later burst
     first = greedy.index(stop_tok)
     requests = {
         "long": (_prompt(12), SamplingParams(temperature=0, max_tokens=37, ignore_eos=True)),
@@ -196,3 +196,37 @@ def test_serve_refuses_a_bad_decode_steps():
     result = CliRunner().invoke(app, ["serve", "--decode-steps", "0"])
     assert result.exit_code == 2
     assert "decode_steps must be positive" in result.output
+
+
+def test_a_one_token_prefill_chunk_is_not_a_burst(tiny):
+    # a token budget of 1: every prefill chunk is one token that samples nothing
+    requests = {"a": (_prompt(9), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+                "b": (_prompt(5, 4), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))}
+    one = _run(make_engine(tiny, decode_steps=1, max_num_batched_tokens=1), requests)[0]
+    burst_engine = make_engine(tiny, decode_steps=8, max_num_batched_tokens=1)
+    sched = burst_engine.scheduler
+    for rid, (ids, sp) in requests.items():
+        burst_engine.add_request(rid, ids, sp)
+    out = sched.schedule()
+    assert [len(s.token_ids) for s in out.scheduled] == [1] and not out.scheduled[0].sample
+    assert out.num_steps == 1
+    sched.update(out, burst_engine.runner.execute(out).sampled)
+    burst_engine.abort("a")
+    burst_engine.abort("b")
+    assert _run(make_engine(tiny, decode_steps=8, max_num_batched_tokens=1), requests)[0] == one
+
+
+def test_no_lookahead_blocks_unless_all_fit(tiny):
+    engine = make_engine(tiny, decode_steps=8, num_blocks=4, block_size=4, prefix_caching=False)
+    sched = engine.scheduler
+    engine.add_request("a", _prompt(3), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.add_request("b", _prompt(3, 2), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()  # both prefills: a block each
+    out = sched.schedule()
+    # 4 steps take each one into a second block: the two free ones, exactly
+    assert out.num_steps == 4 and engine.kv.num_free_blocks == 0
+    sched.update(out, engine.runner.execute(out).sampled)
+    out = sched.schedule()  # 3 + 1 + 4 = 8 tokens done: 4 more steps need a third block each
+    assert out.num_steps == 1
+    assert [len(engine.kv.blocks_of(r)) for r in ("a", "b")] == [2, 2]  # nothing grown for a burst
+    sched.update(out, engine.runner.execute(out).sampled)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import mmap
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -22,6 +24,9 @@ class _Counting:
 
     def __init__(self, inner):
         self.inner, self.calls, self.rows = inner, 0, set()
+
+    def __getattr__(self, name):  # bind_cache and the rest: the real model's
+        return getattr(self.inner, name)
 
     def forward(self, h, *args):
         self.calls += 1
@@ -188,6 +193,32 @@ def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
         fused.decode_greedy(ids, lens - 1, torch.tensor([[0, 3], [1, 4], [2, 10 ** 6]]), lens, 16, steps)
     with pytest.raises(RuntimeError, match="token id out of range"):
         fused.decode_greedy(torch.tensor([-1, 0, 0]), lens - 1, tables, lens, 16, 1)
+    with pytest.raises(RuntimeError, match="positions are their lengths - 1"):
+        fused.decode_greedy(ids, lens + 20, tables, lens, 16, 1)
+
+
+def test_fused_argmax_is_the_first_maximum_nan_largest():
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(24576, generator=gen) for _ in range(4)]
+    tie = torch.randn(64, generator=gen)
+    tie[3] = tie[19] = tie[50] = 9.0  # the same maximum in three lanes and two vectors
+    rows.append(tie)
+    signed_zero = torch.full((32,), -1.0)
+    signed_zero[7], signed_zero[5] = 0.0, -0.0  # equal as numbers: the first one wins
+    rows.append(signed_zero)
+    for special in (float("inf"), float("-inf"), float("nan")):
+        r = torch.randn(4096, generator=gen)
+        r[1000] = special
+        r[3000] = special
+        rows.append(r)
+    rows.append(torch.full((16,), float("-inf")))
+    rows.append(torch.full((48,), float("nan")))
+    for r in rows:
+        assert ops.first_max(r) == int(np.argmax(r.numpy())), r[:8]
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.first_max(torch.zeros(17))
 
 
 def test_hugepage_zeros_and_packing():

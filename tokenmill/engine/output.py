@@ -85,6 +85,7 @@ class OutputProcessor:
                 if st.stops and self._stop_hit(req, st):
                     # tokens a burst of steps made after the stop string are not output
                     del req.output_token_ids[st.num_sent + j + 1:]
+                    del req.times.tokens[st.num_sent + j + 1:]
                     del toks[j + 1:]
                     if req.finished:  # the scheduler ended it on a later token (length, EOS)
                         req.status = RequestStatus.FINISHED_STOPPED

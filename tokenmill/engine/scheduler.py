@@ -235,8 +235,9 @@ class Scheduler:
                 budget -= chosen[req.request_id][1]
                 per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
 
-        if (self.config.decode_steps > 1 and not out.preempted_ids and not len(self.waiting)
-                and chosen and all(n == 1 for _, n in chosen.values())):
+        if (self.config.decode_steps > 1 and not out.preempted_ids and not len(self.waiting) and chosen
+                and all(r.num_tokens - r.num_computed_tokens == 1 for r, _ in chosen.values())):
+            # (a one-token prefill chunk, left by the budget, samples nothing: no burst)
             out.num_steps = self._burst_steps([r for r, _ in chosen.values()])
 
         # Decodes first in the flat batch; then prefill chunks.
@@ -265,7 +266,7 @@ class Scheduler:
         run in one go: decode_steps shared among them, 1 unless each one's next tokens
         depend on nothing but the argmax (greedy, no logprobs, no penalties, min_tokens
         met), capped by each one's remaining length; the blocks for the extra steps are
-        allocated here (1 if the pool can't)."""
+        allocated here (1, allocating nothing, if the pool can't hold them all)."""
         steps = self.config.decode_steps // len(reqs)
         for req in reqs:
             sp = req.params
@@ -276,9 +277,13 @@ class Scheduler:
                         self.config.max_model_len - req.num_tokens)
         if steps <= 1:
             return 1
+        kv = self.kv
+        grow = sum(max(0, kv.blocks_needed(r.num_computed_tokens + steps) - len(kv.blocks_of(r.request_id)))
+                   for r in reqs)
+        if grow > kv.num_free_blocks:
+            return 1
         for req in reqs:
-            if self.kv.allocate_slots(req, steps) is None:
-                return 1  # what was grown stays with its request: its next tokens need it
+            assert kv.allocate_slots(req, steps) is not None
         return steps
 
     def _slot_victim(self, req: Request, per_tenant: dict[str | None, int]) -> Request | None:

@@ -155,6 +155,8 @@ class DecodeModel {
                     embed.is_contiguous(), "embed: contiguous bf16 [vocab, hidden]");
     TORCH_CHECK(head_tiles.scalar_type() == at::kByte && head_tiles.dim() == 2 && head_tiles.is_contiguous() &&
                     head_tiles.size(1) == 64 + hidden_ / tm_quant::kGroup * 512, "head: uint8 int8 tiles [N/16, 64 + K/32 * 512]");
+    // each step's argmax indexes the embedding in decode_greedy
+    TORCH_CHECK(head_tiles.size(0) * tm_quant::kTile <= embed.size(0), "head rows beyond the embedding");
     embed_ = embed;
     head_ = head_tiles;
   }
@@ -206,8 +208,9 @@ class DecodeModel {
     int64_t* lp = lens.data_ptr<int64_t>();
     for (int64_t b = 0; b < M; ++b) {
       TORCH_CHECK(cp[b] >= 0 && cp[b] < embed_.size(0), "token id out of range");
-      TORCH_CHECK(pp[b] >= 0 && lp[b] >= 1 && lp[b] + steps - 1 <= mb * block_size,
-                  "the block tables do not hold every step's token");
+      TORCH_CHECK(pp[b] >= 0 && lp[b] == pp[b] + 1, "decode positions are their lengths - 1");
+      TORCH_CHECK(lp[b] + steps - 1 <= mb * block_size, "the block tables do not hold every step's token");
+      TORCH_CHECK(pp[b] + steps <= cos_.size(0), "position out of range");
       for (int64_t j = pp[b] / block_size; j <= (pp[b] + steps - 1) / block_size; ++j)
         TORCH_CHECK(tb[b * mb + j] >= 0 && (tb[b * mb + j] + 1) * block_size <= slots_total,
                     "block id out of range");
@@ -401,6 +404,18 @@ class DecodeModel {
   double eps_, scale_;
 };
 
+// The fused head's argmax over one row (a multiple of 16 long), for tests.
+int64_t first_max_row(torch::Tensor row) {
+  TORCH_CHECK(row.scalar_type() == at::kFloat && row.dim() == 1 && row.numel() > 0 && row.numel() % 16 == 0,
+              "float32 [16 k]");
+#if TM_FUSED_DECODE
+  auto r = row.contiguous();
+  return first_max(r.data_ptr<float>(), 0, r.numel());
+#else
+  TORCH_CHECK(false, "the fused decode step needs AVX-512 VNNI and BF16");
+#endif
+}
+
 bool decode_step_available() {
 #if TM_FUSED_DECODE
   return true;
@@ -419,5 +434,6 @@ void bind_decode_step(pybind11::module& m) {
       .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_logits", &DecodeModel::forward_logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("decode_greedy", &DecodeModel::decode_greedy, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("first_max", &first_max_row, "the fused step's argmax over one float32 row: the first maximum, NaN largest");
   m.def("decode_step_available", &decode_step_available, "whether the fused int4 decode step was built");
 }
