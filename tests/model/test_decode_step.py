@@ -118,23 +118,29 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
                    torch.tensor([64]), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 16)
 
 
+def _fused_on_new_cache(loaded):
+    """The model's native DecodeModel, bound to a fresh engine's (64-block) cache."""
+    model = loaded.model
+    engine = make_engine(loaded, num_blocks=64, prefix_caching=False)
+    # built on first use: one decode step builds it (and binds it to this cache)
+    engine.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    fused = model._fused
+    assert fused and model._fused_head
+    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(model.cfg.num_layers)]))
+    model._fused_cache = engine.kv_cache
+    return fused
+
+
 def test_fused_logits_equal_forward_then_output_projection(smol_int4):
     if ops is None or not ops.decode_step_available():
         pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
     model = smol_int4.model
     cfg = model.cfg
-    engine = make_engine(smol_int4, num_blocks=64, prefix_caching=False)
-    fused = model._fused
-    if fused is None:  # built on first use: run one decode step to build and bind it
-        engine.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
-        while engine.has_unfinished():
-            engine.step()
-        fused = model._fused
-    assert fused and model._fused_head
-    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(cfg.num_layers)]))
-    model._fused_cache = engine.kv_cache
-    # three sequences at their first decode step over an empty cache: 1, 5 and 9 tokens
-    # of context (zeros), one block table each
+    fused = _fused_on_new_cache(smol_int4)
+    # three sequences at their first decode step: 1, 5 and 9 tokens of context (the cache
+    # as the warm-up left it), one block table each
     lens = torch.tensor([1, 5, 9])
     tables = torch.tensor([[0], [1], [2]])
     positions = lens - 1
@@ -158,16 +164,8 @@ def test_fused_logits_equal_forward_then_output_projection(smol_int4):
 def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
     if ops is None or not ops.decode_step_available():
         pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
-    model = smol_int4.model
-    cfg = model.cfg
-    engine = make_engine(smol_int4, num_blocks=64, prefix_caching=False)
-    engine.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
-    while engine.has_unfinished():
-        engine.step()
-    fused = model._fused
-    assert fused and model._fused_head
-    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(cfg.num_layers)]))
-    model._fused_cache = engine.kv_cache
+    cfg = smol_int4.model.cfg
+    fused = _fused_on_new_cache(smol_int4)
     # three sequences of 1, 5 and 14 tokens (the cache as the warm-up left it); the third
     # crosses into its second block on the way
     lens = torch.tensor([1, 5, 14])
@@ -195,6 +193,12 @@ def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
         fused.decode_greedy(torch.tensor([-1, 0, 0]), lens - 1, tables, lens, 16, 1)
     with pytest.raises(RuntimeError, match="positions are their lengths - 1"):
         fused.decode_greedy(ids, lens + 20, tables, lens, 16, 1)
+    with pytest.raises(RuntimeError, match="block_size must be positive"):
+        fused.decode_greedy(ids, lens - 1, tables, lens, 0, 1)
+    # strided inputs are read as their values
+    strided = torch.stack([ids, ids], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    assert torch.equal(fused.decode_greedy(strided, lens - 1, tables, lens, 16, steps), got)
 
 
 def test_fused_argmax_is_the_first_maximum_nan_largest():

@@ -283,7 +283,8 @@ class Scheduler:
         if grow > kv.num_free_blocks:
             return 1
         for req in reqs:
-            assert kv.allocate_slots(req, steps) is not None
+            blocks = kv.allocate_slots(req, steps)
+            assert blocks is not None  # the room was counted above
         return steps
 
     def _slot_victim(self, req: Request, per_tenant: dict[str | None, int]) -> Request | None:

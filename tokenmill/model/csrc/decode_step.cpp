@@ -197,9 +197,11 @@ class DecodeModel {
       TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == M, "int64 [M] positions, lengths");
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == M,
                 "block tables [M, blocks]");
-    auto cur = ids.clone();
-    auto pos = positions.clone();
-    auto lens = seq_lens.clone();
+    TORCH_CHECK(block_size >= 1, "block_size must be positive");
+    // private copies the loop advances
+    auto cur = ids.clone(at::MemoryFormat::Contiguous);
+    auto pos = positions.clone(at::MemoryFormat::Contiguous);
+    auto lens = seq_lens.clone(at::MemoryFormat::Contiguous);
     auto tables = block_tables.contiguous();
     const int64_t mb = tables.size(1), slots_total = k_.empty() ? 0 : k_[0].size(1);
     const int64_t* tb = tables.data_ptr<int64_t>();
