@@ -95,8 +95,8 @@ def test_requests_that_need_every_step_run_one_step_at_a_time(tiny):
             assert set(steps) == {1}, rid
 
 
-def test_no_burst_while_a_request_waits_and_blocks_are_allocated_ahead(tiny):
-    engine = make_engine(tiny, decode_steps=8, max_num_seqs=1)
+def test_no_burst_in_a_step_that_admits_and_blocks_are_allocated_ahead(tiny):
+    engine = make_engine(tiny, decode_steps=8, max_num_seqs=2)
     sched = engine.scheduler
     engine.add_request("a", _prompt(10), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     engine.step()  # prefill
@@ -107,10 +107,18 @@ def test_no_burst_while_a_request_waits_and_blocks_are_allocated_ahead(tiny):
     assert len(engine.kv.blocks_of("a")) * engine.kv.block_size >= req.num_computed_tokens + 8
     sched.update(out, engine.runner.execute(out).sampled)
     assert req.num_output_tokens == 9 and req.num_computed_tokens == req.num_tokens - 1
-    engine.add_request("b", _prompt(10, 2), SamplingParams(temperature=0, max_tokens=5))
+    engine.add_request("b", _prompt(10, 2), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     out = sched.schedule()
-    assert out.num_steps == 1 and len(sched.waiting) == 1  # b waits for the slot: no burst
+    assert out.num_steps == 1 and [len(s.token_ids) for s in out.scheduled] == [1, 10]  # b admitted: no burst
     sched.update(out, engine.runner.execute(out).sampled)
+    # c finds both slots taken: it waits, and the two decodes burst meanwhile
+    engine.add_request("c", _prompt(10, 3), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    out = sched.schedule()
+    assert out.num_steps == 4 and len(sched.waiting) == 1
+    sched.update(out, engine.runner.execute(out).sampled)
+    assert "b" not in sched.requests  # its 5th token (max_tokens) came in the burst: finished
+    out = sched.schedule()  # c takes b's slot now
+    assert [s.request_id for s in out.scheduled] == ["a", "c"] and out.num_steps == 1
 
 
 def test_burst_steps_are_shared_among_the_sequences(tiny):

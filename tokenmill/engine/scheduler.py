@@ -64,8 +64,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 8192
     # Greedy decode steps that may run as one engine step (the runner loops natively, not
-    # returning to Python) when every scheduled request is a plain greedy decode and none
-    # waits to be admitted, divided among the requests: one sequence runs this many, 2 half
+    # returning to Python) when every scheduled request is a plain greedy decode and this
+    # step admitted no one, divided among the requests: one sequence runs this many, 2 half
     # as many, and from this many sequences on there are no bursts. A burst so lasts about
     # as long as this many one-sequence steps (~4 ms each): tokens stream in bursts, and a
     # request arriving meanwhile waits for the burst's end. 1: one step at a time.
@@ -235,9 +235,12 @@ class Scheduler:
                 budget -= chosen[req.request_id][1]
                 per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
 
-        if (self.config.decode_steps > 1 and not out.preempted_ids and not len(self.waiting) and chosen
+        # Bursts only when this step admitted and preempted no one and every request decodes
+        # (a one-token prefill chunk, left by the budget, samples nothing). Requests still
+        # waiting then wait for a slot, blocks or their group: a burst delays that by its
+        # length at most.
+        if (self.config.decode_steps > 1 and not out.preempted_ids and chosen
                 and all(r.num_tokens - r.num_computed_tokens == 1 for r, _ in chosen.values())):
-            # (a one-token prefill chunk, left by the budget, samples nothing: no burst)
             out.num_steps = self._burst_steps([r for r, _ in chosen.values()])
 
         # Decodes first in the flat batch; then prefill chunks.
