@@ -67,13 +67,14 @@ class ModelRunner:
     def _decode_steps(self, sch: list[ScheduledRequest], steps: int) -> RunnerOutput:
         """`steps` greedy decode steps, each step's argmax the next one's input: one native
         call where the model has it, else step by step (the same tokens either way)."""
-        ids_t, pos_t, meta, _ = self._inputs(sch)
-        toks = self.model.decode_greedy(ids_t, pos_t, meta, self.kv_cache, steps)
+        inputs = self._inputs(sch)
+        toks = self.model.decode_greedy(*inputs[:3], self.kv_cache, steps)
         if toks is not None:
             return RunnerOutput(sampled={s.request_id: toks[:, i].tolist() for i, s in enumerate(sch)})
         result = RunnerOutput(sampled={s.request_id: [] for s in sch})
         for _ in range(steps):
-            step = self._step(sch)
+            step = self._step(sch, inputs)
+            inputs = None
             for s in sch:
                 result.sampled[s.request_id] += step.sampled[s.request_id]
             sch = [replace(s, token_ids=step.sampled[s.request_id], start=s.start + 1) for s in sch]
@@ -118,9 +119,10 @@ class ModelRunner:
             meta.prefills.append(PrefillSeq(int(cu[i]), int(lens[i]), ctx, slots, seq_index=i))
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta, cu
 
-    def _step(self, sch: list[ScheduledRequest]) -> RunnerOutput:
+    def _step(self, sch: list[ScheduledRequest], inputs=None) -> RunnerOutput:
+        """One step; `inputs`: what _inputs(sch) gives, if the caller built it already."""
         result = RunnerOutput()
-        ids_t, pos_t, meta, cu = self._inputs(sch)
+        ids_t, pos_t, meta, cu = inputs or self._inputs(sch)
         T, D = ids_t.shape[0], meta.num_decodes
         sample_rows = [i for i, s in enumerate(sch) if s.sample]
         wants_prompt = [s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) - 1 for s in sch]
