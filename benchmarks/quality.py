@@ -2,13 +2,15 @@
 (top-1) token agreement with the float32 reference, teacher-forced through the engine's
 own prompt-logprob path.
 
-    python benchmarks/quality.py --configs float32,bfloat16,int8,int4 [--decode-kernels]
+    python benchmarks/quality.py --configs float32,bfloat16,int8,int4 [--decode-kernels] [--kv-int8]
 
 Teacher forcing runs the prompt path, where quantized layers use their dense bf16 copy
 (the quantized weights, bf16 activations). With --decode-kernels every quantized layer
 is forced onto its small-batch kernel instead, which on AVX-512 VNNI machines also
 rounds the activations to int8: the quality that decode steps actually get. Those
-configurations print with a "+dk" suffix.
+configurations print with a "+dk" suffix. With --kv-int8 each configuration also runs on
+an int8 KV cache ("+kv8"): the prompt then attends over the dequantized keys and values,
+as every later token does.
 """
 
 from __future__ import annotations
@@ -48,12 +50,13 @@ def load_config(name: str, path: str | None = None, decode_kernels: bool = False
     return loaded
 
 
-def evaluate(loaded, text_path: str = TEXT) -> Quality:
+def evaluate(loaded, text_path: str = TEXT, kv_cache_dtype: str = "auto") -> Quality:
     with open(text_path, encoding="utf-8") as f:
         text = f.read()
     ids = loaded.tokenizer.encode(text)
     engine = LLMEngine(loaded, EngineConfig(cache=CacheConfig(num_blocks=-(-len(ids) // 16) + 4,
-                                                              enable_prefix_caching=False)))
+                                                              enable_prefix_caching=False,
+                                                              kv_cache_dtype=kv_cache_dtype)))
     engine.add_request("q", ids, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))
     plp = None
     while engine.has_unfinished():
@@ -70,16 +73,19 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--decode-kernels", action="store_true",
                     help="also evaluate each quantized config through its small-batch kernels")
+    ap.add_argument("--kv-int8", action="store_true", help="also evaluate each config on an int8 KV cache")
     args = ap.parse_args()
     ref = None
     print(f"{'config':10} {'perplexity':>10} {'vs fp32':>8} {'top-1 agree':>11}")
-    runs = [(name, False) for name in args.configs.split(",")]
+    runs = [(name, False, "auto") for name in args.configs.split(",")]
     if args.decode_kernels:
-        runs += [(name, True) for name in args.configs.split(",") if CONFIGS[name][1] != "none"]
-    for name, dk in runs:
-        q = evaluate(load_config(name, args.model, dk))
+        runs += [(name, True, "auto") for name in args.configs.split(",") if CONFIGS[name][1] != "none"]
+    if args.kv_int8:
+        runs += [(name, False, "int8") for name in args.configs.split(",")]
+    for name, dk, kv in runs:
+        q = evaluate(load_config(name, args.model, dk), kv_cache_dtype=kv)
         ref = ref or q
-        label = name + ("+dk" if dk else "")
+        label = name + ("+dk" if dk else "") + ("+kv8" if kv == "int8" else "")
         print(f"{label:10} {q.perplexity:10.3f} {100 * (q.perplexity / ref.perplexity - 1):+7.2f}% "
               f"{100 * q.agreement(ref):10.2f}%", flush=True)
 

@@ -8,13 +8,15 @@ from tokenmill.kv.cache import KVCache
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
 
 
-def full_logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+def full_logits(model, ids: list[int], chunk: int | None = None, kv_dtype: torch.dtype | None = None,
+                kernel=None) -> torch.Tensor:
     """Logits at every position of `ids` through the paged path, prefilled in chunks of
-    `chunk` tokens (None: one chunk); a chunk of 1 exercises the decode path."""
+    `chunk` tokens (None: one chunk); a chunk of 1 exercises the decode path. kernel: the
+    native ops for the metadata (None: the torch path)."""
     cfg = model.cfg
     bs = 16
     nblocks = -(-len(ids) // bs)
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, nblocks, bs, cfg.head_dim, model.dtype)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, nblocks, bs, cfg.head_dim, model.dtype, kv_dtype)
     # blocks in reverse order, so the block table is not the identity
     table = torch.arange(nblocks - 1, -1, -1)
     slots_all = table.repeat_interleave(bs) * bs + torch.arange(bs).repeat(nblocks)
@@ -31,6 +33,10 @@ def full_logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor
         else:
             meta = AttentionMetadata(slot_mapping=slots_all[pos], num_decodes=0,
                                      prefills=[PrefillSeq(0, n, s, slots_all[:s + n] if s else None)])
+        if kernel is not None:
+            meta.kernel = kernel
+            meta.block_tables = table.view(1, -1)
+            meta.seq_lens = torch.tensor([s + n])
         h = model.forward(torch.tensor(ids[s:s + n]), pos, meta, cache)
         out.append(model.logits(h))
     return torch.cat(out)
@@ -55,13 +61,14 @@ def tiny_loaded(vocab: int = 300, layers: int = 2, hidden: int = 32, heads: int 
 
 def make_engine(loaded, *, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 512, prefix_caching: bool = True, max_model_len=None,
-                native_attention: bool = True, decode_steps: int = 8):
+                native_attention: bool = True, decode_steps: int = 8, kv_cache_dtype: str = "auto"):
     from tokenmill.config import CacheConfig, EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.engine.scheduler import SchedulerConfig
 
     cfg = EngineConfig(
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_steps=decode_steps),
         max_model_len=max_model_len, native_attention=native_attention)

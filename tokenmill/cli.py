@@ -30,14 +30,15 @@ def _fail(message: str) -> None:
 
 def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_gb: Optional[float],
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
-                  enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8):
+                  enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8,
+                  kv_cache_dtype: str = "auto"):
     from tokenmill.config import CacheConfig, EngineConfig, ModelOptions
     from tokenmill.engine.scheduler import SchedulerConfig
 
     return EngineConfig(
         model=ModelOptions(path=model, dtype=dtype, quantization=quantization),
         cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_steps=decode_steps),
         max_model_len=max_model_len,
@@ -78,6 +79,9 @@ def serve(
                                                     help="Model id to serve (default: the model's name)."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb",
                                                 help="KV cache size (default: 1/4 of free memory, max 2 GiB)."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
+                                       help="auto: the model's dtype; int8: K/V rows in int8 with a scale each "
+                                            "(half of bf16's bytes, +0.26% perplexity)."),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Most sequences in one step."),
     max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="Token budget per step."),
     decode_steps: int = typer.Option(8, "--decode-steps",
@@ -144,7 +148,8 @@ def serve(
                                                      max_waiting_batch=max_waiting_batch))
     try:
         config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                               max_model_len, block_size, prefix_caching, num_threads, decode_steps)
+                               max_model_len, block_size, prefix_caching, num_threads, decode_steps,
+                               kv_cache_dtype)
     except ValueError as exc:
         _fail(str(exc))
     if engine_mode not in ("thread", "process"):

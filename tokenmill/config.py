@@ -19,14 +19,21 @@ class ModelOptions:
     served_name: str | None = None
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     kv_cache_gb: float | None = None  # None: a quarter of free memory, at most 2 GiB
     num_blocks: int | None = None  # explicit pool size (tests); overrides kv_cache_gb
     enable_prefix_caching: bool = True
+    # auto: the model's dtype; int8: rows quantized per (token, kv head), half of bf16's bytes
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

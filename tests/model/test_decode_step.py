@@ -96,9 +96,14 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
     norms = [layer.input_norm, layer.post_norm, model.norm]
     args = (model.cos32, model.sin32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
     dm = ops.DecodeModel(mats, [True, False, False, True], norms, *args)  # one layer builds
-    with pytest.raises(RuntimeError, match="bfloat16, the same slots"):
-        k = torch.zeros(cfg.num_kv_heads, 64, cfg.head_dim, dtype=torch.bfloat16)
-        dm.bind_cache([k], [k.float()])
+    k = torch.zeros(cfg.num_kv_heads, 64, cfg.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16 or int8, the same slots"):
+        dm.bind_cache([k], [k.float()], [], [])
+    with pytest.raises(RuntimeError, match="scales for each layer of an int8 cache"):
+        dm.bind_cache([k.to(torch.int8)], [k.to(torch.int8)], [], [])
+    with pytest.raises(RuntimeError, match="scales float32"):
+        scales = torch.zeros(cfg.num_kv_heads, 32)
+        dm.bind_cache([k.to(torch.int8)], [k.to(torch.int8)], [scales], [scales])
     with pytest.raises(RuntimeError, match="2 norms a layer"):
         ops.DecodeModel(mats, [False] * 4, norms[:2], *args)
     with pytest.raises(RuntimeError, match="do not chain"):
@@ -108,7 +113,7 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
                    torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
                    torch.ones(1, dtype=torch.int64), 16)
     k = torch.zeros(cfg.num_kv_heads, 64, cfg.head_dim, dtype=torch.bfloat16)
-    dm.bind_cache([k], [k.clone()])
+    dm.bind_cache([k], [k.clone()], [], [])
     with pytest.raises(RuntimeError, match="position out of range"):
         dm.forward(torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16), torch.tensor([10 ** 7]),
                    torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
@@ -128,7 +133,7 @@ def _fused_on_new_cache(loaded):
         engine.step()
     fused = model._fused
     assert fused and model._fused_head
-    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(model.cfg.num_layers)]))
+    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(model.cfg.num_layers)]), [], [])
     model._fused_cache = engine.kv_cache
     return fused
 

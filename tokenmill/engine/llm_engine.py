@@ -60,8 +60,9 @@ class LLMEngine:
             config, scheduler=dataclasses.replace(config.scheduler, max_model_len=max_len))
         cc = config.cache
         dtype = loaded.model.dtype
+        kv_dtype = torch.int8 if cc.kv_cache_dtype == "int8" else dtype
         per_block = KVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, cc.block_size,
-                                            mcfg.head_dim, dtype)
+                                            mcfg.head_dim, kv_dtype)
         if cc.num_blocks is not None:
             num_blocks = cc.num_blocks
         else:
@@ -71,7 +72,7 @@ class LLMEngine:
             raise ValueError(f"the KV cache budget holds no block of {per_block} bytes")
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv_cache = KVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
-                                mcfg.head_dim, dtype)
+                                mcfg.head_dim, dtype, kv_dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -81,8 +82,8 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.steps = 0
-        log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, cc.block_size,
-                 num_blocks * per_block / 1024 ** 3)
+        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", num_blocks, cc.block_size,
+                 num_blocks * per_block / 1024 ** 3, str(kv_dtype).removeprefix("torch."))
 
     # -- requests -----------------------------------------------------------------------
     @property

@@ -49,6 +49,24 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
+_INV127 = torch.tensor(1 / 127, dtype=torch.float32)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., d] rows -> (int8 rows, float32 scales [...]): symmetric, one scale a row.
+    The native kernels (csrc/decode_attention.h, store_row) round the same way, so a
+    token's cache bytes do not depend on which path wrote it."""
+    xf = x.float()
+    d = xf.abs().amax(-1) * _INV127
+    inv = torch.where(d > 0, torch.reciprocal(d), torch.zeros_like(d))
+    q = (xf * inv.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
+    return q, d
+
+
+def dequantize_kv(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * d.unsqueeze(-1)).to(dtype)
+
+
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                        scale: float) -> torch.Tensor:
     """Attention as two batched matmuls, for short queries (decode, small chunks), where
@@ -60,25 +78,45 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, d], k/v [T, Hkv, d] (new tokens) -> [T, H*d]. Writes k/v into the cache."""
+                    meta: AttentionMetadata, scale: float,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, d], k/v [T, Hkv, d] (new tokens) -> [T, H*d]. Writes k/v into the cache
+    (an int8 cache: quantized, their scales into k_scale/v_scale [Hkv, slots])."""
     T, H, d = q.shape
     Hkv = k.shape[1]
     g = H // Hkv
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    quantized = k_scale is not None
+    if quantized:
+        # Every path then attends over what the cache holds, this chunk's own keys
+        # included: a prompt gives the same numbers in one chunk or many, cached or not.
+        kq, ks = quantize_kv(k)
+        vq, vs = quantize_kv(v)
+        k_cache.index_copy_(1, meta.slot_mapping, kq.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, vq.transpose(0, 1))
+        k_scale.index_copy_(1, meta.slot_mapping, ks.t())
+        v_scale.index_copy_(1, meta.slot_mapping, vs.t())
+        k, v = dequantize_kv(kq, ks, q.dtype), dequantize_kv(vq, vs, q.dtype)
+    else:
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+
+    def gather(cache: torch.Tensor, scales: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
+        rows = cache.index_select(1, idx)
+        return rows if scales is None else dequantize_kv(rows, scales.index_select(1, idx), q.dtype)
+
     out = torch.empty(T, H * d, dtype=q.dtype)
     D = meta.num_decodes
     ext = meta.kernel
     if D and ext is not None:
         starts = torch.arange(D + 1)
         out[:D] = ext.paged_attention(q[:D].contiguous(), k_cache, v_cache, meta.block_tables[:D],
-                                      meta.seq_lens[:D], starts, meta.block_size, scale).view(D, H * d)
+                                      meta.seq_lens[:D], starts, meta.block_size, scale,
+                                      k_scale, v_scale).view(D, H * d)
     elif D:
         L = meta.decode_slots.shape[1]
         idx = meta.decode_slots.reshape(-1)
-        kd = k_cache.index_select(1, idx).view(Hkv * D, L, d)
-        vd = v_cache.index_select(1, idx).view(Hkv * D, L, d)
+        kd = gather(k_cache, k_scale, idx).view(Hkv * D, L, d)
+        vd = gather(v_cache, v_scale, idx).view(Hkv * D, L, d)
         # The query group of each kv head rides on the query axis: [Hkv * D, g, d].
         qd = q[:D].view(D, Hkv, g, d).transpose(0, 1).reshape(Hkv * D, g, d)
         if meta.decode_bias is None or meta.decode_bias.dtype != q.dtype:  # once per step, shared by layers
@@ -99,11 +137,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             i = p.seq_index
             out[s:s + n] = ext.paged_attention(
                 q[s:s + n].contiguous(), k_cache, v_cache, meta.block_tables[i:i + 1], meta.seq_lens[i:i + 1],
-                torch.tensor([0, n]), meta.block_size, scale).view(n, H * d)
+                torch.tensor([0, n]), meta.block_size, scale, k_scale, v_scale).view(n, H * d)
             continue
         L = p.context_len + n
-        kp = k_cache.index_select(1, p.slots)  # [Hkv, L, d]
-        vp = v_cache.index_select(1, p.slots)
+        kp = gather(k_cache, k_scale, p.slots)  # [Hkv, L, d]
+        vp = gather(v_cache, v_scale, p.slots)
         # rows are (query i, group member j) -> query i sits at context_len + i
         qp = q[s:s + n].view(n, Hkv, g, d).transpose(0, 1).reshape(Hkv, n * g, d)
         qpos = torch.arange(p.context_len, L).repeat_interleave(g).unsqueeze(1)

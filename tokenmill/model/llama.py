@@ -131,7 +131,7 @@ class LlamaModel:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
             k_cache, v_cache = kv_cache.layer(i)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, *kv_cache.layer_scales(i))
             h = h + layer.o_proj(attn)
             x = self._rms_norm(h, layer.post_norm)
             gu = layer.gate_up(x)
@@ -159,14 +159,15 @@ class LlamaModel:
             qkv = layer.qkv(x)
             ops.rope_(qkv, cos, sin, H + Hkv, d)
             k_cache, v_cache = kv_cache.layer(i)
+            k_scale, v_scale = kv_cache.layer_scales(i)
             if decode_only:
                 attn = ops.decode_attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                            meta.seq_lens, H, Hkv, meta.block_size, self.scale)
+                                            meta.seq_lens, H, Hkv, meta.block_size, self.scale, k_scale, v_scale)
             else:
                 q = qkv[:, :H * d].view(T, H, d)
                 k = qkv[:, H * d:(H + Hkv) * d].view(T, Hkv, d)
                 v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
-                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
             x = ops.add_rms_norm(h, layer.o_proj(attn), layer.post_norm, eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
             x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), next_norm, eps)
@@ -209,7 +210,9 @@ class LlamaModel:
             return False
         if self._fused_cache is not kv_cache:
             layers = [kv_cache.layer(i) for i in range(len(self.layers))]
-            self._fused.bind_cache([k for k, _ in layers], [v for _, v in layers])
+            scales = [kv_cache.layer_scales(i) for i in range(len(self.layers))] if kv_cache.quantized else []
+            self._fused.bind_cache([k for k, _ in layers], [v for _, v in layers],
+                                   [k for k, _ in scales], [v for _, v in scales])
             self._fused_cache = kv_cache
         return True
 

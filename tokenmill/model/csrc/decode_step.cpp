@@ -124,16 +124,30 @@ class DecodeModel {
     }
   }
 
-  // k, v: per layer [Hkv, slots, head_dim] bfloat16, kept for the steps that follow.
-  void bind_cache(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
+  // k, v: per layer [Hkv, slots, head_dim] bfloat16, or int8 with their scales ks, vs
+  // [Hkv, slots] float32; kept for the steps that follow.
+  void bind_cache(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v, std::vector<torch::Tensor> ks,
+                  std::vector<torch::Tensor> vs) {
     TORCH_CHECK(static_cast<int64_t>(k.size()) == L_ && static_cast<int64_t>(v.size()) == L_, "a cache per layer");
-    for (int64_t l = 0; l < L_; ++l)
-      TORCH_CHECK(k[l].is_contiguous() && v[l].is_contiguous() && k[l].scalar_type() == at::kBFloat16 &&
-                      v[l].scalar_type() == at::kBFloat16 && k[l].dim() == 3 && k[l].size(0) == Hkv_ &&
+    const bool i8 = k[0].scalar_type() == at::kChar;
+    TORCH_CHECK(i8 ? static_cast<int64_t>(ks.size()) == L_ && static_cast<int64_t>(vs.size()) == L_
+                   : ks.empty() && vs.empty(), "scales for each layer of an int8 cache, none for bfloat16");
+    const auto type = i8 ? at::kChar : at::kBFloat16;
+    for (int64_t l = 0; l < L_; ++l) {
+      TORCH_CHECK(k[l].is_contiguous() && v[l].is_contiguous() && k[l].scalar_type() == type &&
+                      v[l].scalar_type() == type && k[l].dim() == 3 && k[l].size(0) == Hkv_ &&
                       k[l].size(2) == D_ && v[l].sizes() == k[l].sizes() && k[l].size(1) == k[0].size(1),
-                  "layer ", l, ": cache [Hkv, slots, head_dim] bfloat16, the same slots in every layer");
+                  "layer ", l, ": cache [Hkv, slots, head_dim] bfloat16 or int8, the same slots in every layer");
+      if (i8)
+        for (const auto* t : {&ks[l], &vs[l]})
+          TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                          t->size(0) == Hkv_ && t->size(1) == k[l].size(1),
+                      "layer ", l, ": scales float32 [Hkv, slots]");
+    }
     k_ = std::move(k);
     v_ = std::move(v);
+    ks_ = std::move(ks);
+    vs_ = std::move(vs);
   }
 
   // h [M, hidden] bfloat16 embeddings of the step's tokens (one a sequence); positions,
@@ -262,11 +276,16 @@ class DecodeModel {
     auto hc = h.contiguous();
     auto tables = block_tables.contiguous();
 #if TM_FUSED_DECODE
+    const bool i8 = !ks_.empty();
     switch (D_) {
-      case 64: run<64>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
-      case 80: run<80>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
-      case 96: run<96>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
-      case 128: run<128>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
+      case 64: i8 ? run<64, int8_t>(hc, pos, slots_t, tables, lens_t, block_size, out, head)
+               : run<64, BF16>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
+      case 80: i8 ? run<80, int8_t>(hc, pos, slots_t, tables, lens_t, block_size, out, head)
+               : run<80, BF16>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
+      case 96: i8 ? run<96, int8_t>(hc, pos, slots_t, tables, lens_t, block_size, out, head)
+               : run<96, BF16>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
+      case 128: i8 ? run<128, int8_t>(hc, pos, slots_t, tables, lens_t, block_size, out, head)
+               : run<128, BF16>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
       default: TORCH_CHECK(false, "head_dim ", D_, " not built");
     }
 #else
@@ -275,7 +294,7 @@ class DecodeModel {
   }
 
 #if TM_FUSED_DECODE
-  template <int D>
+  template <int D, typename C>
   void run(const torch::Tensor& h, const int64_t* pos, const torch::Tensor& slot_mapping,
            const torch::Tensor& tables, const torch::Tensor& seq_lens, int64_t bs, torch::Tensor& out,
            const Head* head) {
@@ -318,8 +337,10 @@ class DecodeModel {
       for (int64_t b = 0; b < M; ++b) tm_rows::rms_row(hp.data() + b * hid, norm0, xp.data() + b * hid, hid, eps);
       for (int64_t l = 0; l < L_; ++l) {
         const Mat* w = &mats_[4 * l];
-        BF16* kc = k_[l].data_ptr<BF16>();
-        BF16* vc = v_[l].data_ptr<BF16>();
+        C* kc = k_[l].data_ptr<C>();
+        C* vc = v_[l].data_ptr<C>();
+        float* ksc = ks_.empty() ? nullptr : ks_[l].data_ptr<float>();
+        float* vsc = vs_.empty() ? nullptr : vs_[l].data_ptr<float>();
         // qkv, split by heads so each thread ropes and caches the heads it computed
         {
           const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[0].precise);
@@ -329,8 +350,13 @@ class DecodeModel {
             for (int64_t b = 0; b < M; ++b) {
               BF16* v = qkv.data() + b * nq + hd * D;
               if (hd < H + Hkv) tm_rows::rope_head(v, cosp + pos[b] * half, sinp + pos[b] * half, half);
-              if (hd >= H + Hkv) std::copy(v, v + D, vc + ((hd - H - Hkv) * S + slots[b]) * D);
-              else if (hd >= H) std::copy(v, v + D, kc + ((hd - H) * S + slots[b]) * D);
+              if (hd >= H + Hkv) {
+                const int64_t at = (hd - H - Hkv) * S + slots[b];
+                tm_decode::store_row<BF16, D>(v, vc + at * D, vsc ? vsc + at : nullptr);
+              } else if (hd >= H) {
+                const int64_t at = (hd - H) * S + slots[b];
+                tm_decode::store_row<BF16, D>(v, kc + at * D, ksc ? ksc + at : nullptr);
+              }
             }
         }
 #pragma omp barrier
@@ -338,8 +364,8 @@ class DecodeModel {
           // (the region has the threads it was planned for; any it lacks, the last one covers)
           const int64_t u0 = bounds[std::min<int64_t>(tid, threads)];
           const int64_t u1 = tid + 1 < nt ? bounds[std::min<int64_t>(tid + 1, threads)] : first[M];
-          tm_decode::run_units<BF16, D>(u0, u1, first, chunk, qkv.data(), nq, kc, vc, S, tb, mb, lens, Hkv, g, bs,
-                                        scale, parts.data());
+          tm_decode::run_units<BF16, C, D>(u0, u1, first, chunk, qkv.data(), nq, kc, vc, ksc, vsc, S, tb, mb, lens,
+                                           Hkv, g, bs, scale, parts.data());
         }
 #pragma omp barrier
         {
@@ -399,7 +425,7 @@ class DecodeModel {
 #endif
 
   std::vector<Mat> mats_;
-  std::vector<torch::Tensor> norms_, k_, v_;
+  std::vector<torch::Tensor> norms_, k_, v_, ks_, vs_;  // ks_, vs_: an int8 cache's scales
   torch::Tensor embed_, head_;  // optional (set_head)
   torch::Tensor cos_, sin_;
   int64_t L_ = 0, H_, Hkv_, D_, hidden_ = 0, inter_ = 0;

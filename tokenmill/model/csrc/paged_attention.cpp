@@ -17,13 +17,26 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
+template <int D, typename cache_t>
+inline void widen(const cache_t* rows, const float*, int64_t n, float* out) {
+  for (int64_t x = 0; x < n * D; ++x) out[x] = to_f(rows[x]);
+}
+template <int D>
+inline void widen(const int8_t* rows, const float* scales, int64_t n, float* out) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int e = 0; e < D; ++e) out[t * D + e] = static_cast<float>(rows[t * D + e]) * scales[t];
+}
+
 // One (sequence, kv head): every query row of the sequence, the GQA group together.
-// Blocks are widened to fp32 in a small buffer first, so the dot products and the
-// weighted sum run as plain fp32 loops the compiler vectorizes (-O3 -ffast-math).
-template <typename scalar_t, int D>
+// Blocks are widened to fp32 in a small buffer first (an int8 cache's rows times their
+// scales), so the dot products and the weighted sum run as plain fp32 loops the compiler
+// vectorizes (-O3 -ffast-math).
+template <typename scalar_t, typename cache_t, int D>
 void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this sequence
-                const scalar_t* __restrict k_head,  // this kv head's slots
-                const scalar_t* __restrict v_head,
+                const cache_t* __restrict k_head,  // this kv head's slots
+                const cache_t* __restrict v_head,
+                const float* __restrict ks_head,   // int8 cache: this head's slot scales
+                const float* __restrict vs_head,
                 const int64_t* __restrict table, int64_t bs, int64_t n_q, int64_t seq_len,
                 int64_t kvh, int64_t H, int64_t g, float scale,
                 scalar_t* __restrict out) {  // [n_q, H, D]
@@ -37,8 +50,8 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
     }
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t n_t = std::min(bs, visible - b * bs);
-      const scalar_t* kb = k_head + table[b] * bs * D;
-      for (int64_t x = 0; x < n_t * D; ++x) buf[x] = to_f(kb[x]);
+      const cache_t* kb = k_head + table[b] * bs * D;
+      widen<D>(kb, ks_head ? ks_head + table[b] * bs : nullptr, n_t, buf.data());
       for (int64_t j = 0; j < g; ++j) {
         const float* qj = qf.data() + j * D;
         float* sj = scores.data() + j * seq_len + b * bs;
@@ -66,8 +79,8 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t n_t = std::min(bs, visible - b * bs);
-      const scalar_t* vb = v_head + table[b] * bs * D;
-      for (int64_t x = 0; x < n_t * D; ++x) buf[x] = to_f(vb[x]);
+      const cache_t* vb = v_head + table[b] * bs * D;
+      widen<D>(vb, vs_head ? vs_head + table[b] * bs : nullptr, n_t, buf.data());
       for (int64_t j = 0; j < g; ++j) {
         float* aj = acc.data() + j * D;
         const float* pj = scores.data() + j * seq_len + b * bs;
@@ -86,19 +99,21 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
   }
 }
 
-template <typename scalar_t, int D>
+template <typename scalar_t, typename cache_t, int D>
 void run_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+             const float* ksp, const float* vsp,
              const int64_t* tables, int64_t max_blocks, const int64_t* lens, const int64_t* qs, int64_t B,
              int64_t block_size, float scale, torch::Tensor& out) {
   const int64_t H = q.size(1), Hkv = k_cache.size(0), S = k_cache.size(1), g = H / Hkv;
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
-      attend_one<scalar_t, D>(qp + qs[b] * H * D, kp + h * S * D, vp + h * S * D, tables + b * max_blocks,
+      attend_one<scalar_t, cache_t, D>(qp + qs[b] * H * D, kp + h * S * D, vp + h * S * D,
+                                       ksp ? ksp + h * S : nullptr, vsp ? vsp + h * S : nullptr, tables + b * max_blocks,
                               block_size, qs[b + 1] - qs[b], lens[b], h, H, g, scale, op + qs[b] * H * D);
     }
   });
@@ -106,12 +121,36 @@ void run_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::
 
 }  // namespace
 
-// q [T, H, d]; k_cache, v_cache [Hkv, S, d]; block_tables [B, max_blocks] int64;
-// seq_lens [B] (tokens in context including this step's); query_start [B + 1].
+namespace {
+// An int8 cache's scales [Hkv, S] float32 (both or neither given): their data, or null.
+std::pair<const float*, const float*> cache_scales(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                                   const c10::optional<torch::Tensor>& k_scale,
+                                                   const c10::optional<torch::Tensor>& v_scale) {
+  const bool i8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v caches of one type");
+  TORCH_CHECK(i8 == (k_scale.has_value() && v_scale.has_value()) && k_scale.has_value() == v_scale.has_value(),
+              "an int8 cache needs its k and v scales, another cache none");
+  if (!i8) return {nullptr, nullptr};
+  for (const auto* t : {&*k_scale, &*v_scale})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == k_cache.size(0) && t->size(1) == k_cache.size(1),
+                "cache scales: contiguous float32 [kv_heads, slots]");
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+}
+}  // namespace
+
+// q [T, H, d]; k_cache, v_cache [Hkv, S, d] (q's type, or int8 with k_scale, v_scale
+// [Hkv, S]); block_tables [B, max_blocks] int64; seq_lens [B] (tokens in context
+// including this step's); query_start [B + 1].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start, int64_t block_size, double scale) {
+                              torch::Tensor query_start, int64_t block_size, double scale,
+                              c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  const auto scales = cache_scales(k_cache, v_cache, k_scale, v_scale);
+  const float* ksp = scales.first;
+  const float* vsp = scales.second;
+  TORCH_CHECK(ksp || k_cache.scalar_type() == q.scalar_type(), "the cache holds q's type or int8");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64);
   const int64_t d = q.size(2), B = seq_lens.size(0), max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
@@ -122,12 +161,17 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(d == 64 || d == 128 || d == 96 || d == 80, "unsupported head_dim ", d);  // see kernels.py
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "paged_attention", [&] {
     const float sc = static_cast<float>(scale);
-    switch (d) {
-      case 64: run_all<scalar_t, 64>(q, k_cache, v_cache, tables, max_blocks, lens, qs, B, block_size, sc, out); break;
-      case 80: run_all<scalar_t, 80>(q, k_cache, v_cache, tables, max_blocks, lens, qs, B, block_size, sc, out); break;
-      case 96: run_all<scalar_t, 96>(q, k_cache, v_cache, tables, max_blocks, lens, qs, B, block_size, sc, out); break;
-      default: run_all<scalar_t, 128>(q, k_cache, v_cache, tables, max_blocks, lens, qs, B, block_size, sc, out);
-    }
+    auto go = [&](auto tag) {
+      using C = decltype(tag);
+      switch (d) {
+        case 64: return run_all<scalar_t, C, 64>(q, k_cache, v_cache, ksp, vsp, tables, max_blocks, lens, qs, B, block_size, sc, out);
+        case 80: return run_all<scalar_t, C, 80>(q, k_cache, v_cache, ksp, vsp, tables, max_blocks, lens, qs, B, block_size, sc, out);
+        case 96: return run_all<scalar_t, C, 96>(q, k_cache, v_cache, ksp, vsp, tables, max_blocks, lens, qs, B, block_size, sc, out);
+        default: return run_all<scalar_t, C, 128>(q, k_cache, v_cache, ksp, vsp, tables, max_blocks, lens, qs, B, block_size, sc, out);
+      }
+    };
+    if (ksp) go(int8_t{});
+    else go(scalar_t{});
   });
   return out;
 }
@@ -140,19 +184,20 @@ namespace {
 
 using namespace tm_decode;
 
-template <typename T, int D>
-void decode_all(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache, const int64_t* slots,
-                const int64_t* tables, int64_t max_blocks, const int64_t* lens, int64_t B, int64_t H, int64_t Hkv,
-                int64_t bs, float scale, torch::Tensor& out) {
+template <typename T, typename C, int D>
+void decode_all(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache, float* ksp, float* vsp,
+                const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* lens, int64_t B,
+                int64_t H, int64_t Hkv, int64_t bs, float scale, torch::Tensor& out) {
   const int64_t S = k_cache.size(1), g = H / Hkv, row = qkv.stride(0);
   const T* qp = qkv.data_ptr<T>();
-  T* kp = k_cache.data_ptr<T>();
-  T* vp = v_cache.data_ptr<T>();
+  C* kp = k_cache.data_ptr<C>();
+  C* vp = v_cache.data_ptr<C>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hkv; ++h) {
       const T* src = qp + b * row + (H + h) * D;
-      std::copy(src, src + D, kp + (h * S + slots[b]) * D);
-      std::copy(src + Hkv * D, src + Hkv * D + D, vp + (h * S + slots[b]) * D);
+      const int64_t at = h * S + slots[b];
+      store_row<T, D>(src, kp + at * D, ksp ? ksp + at : nullptr);
+      store_row<T, D>(src + Hkv * D, vp + at * D, vsp ? vsp + at : nullptr);
     }
   std::vector<int64_t> first;
   const int64_t chunk = plan_units(lens, B, Hkv, bs, at::get_num_threads(), first);
@@ -161,8 +206,8 @@ void decode_all(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor&
   const std::vector<int64_t> bounds = unit_bounds(first, lens, chunk, Hkv, nt);
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      run_units<T, D>(bounds[t], bounds[t + 1], first, chunk, qp, row, kp, vp, S, tables, max_blocks, lens, Hkv, g,
-                      bs, scale, parts.data());
+      run_units<T, C, D>(bounds[t], bounds[t + 1], first, chunk, qp, row, kp, vp, ksp, vsp, S, tables, max_blocks,
+                         lens, Hkv, g, bs, scale, parts.data());
   });
   T* op = out.data_ptr<T>();
   for (int64_t b = 0; b < B; ++b) merge_units<T, D>(parts.data(), first, b, Hkv, g, op + b * H * D);
@@ -172,15 +217,20 @@ void decode_all(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor&
 
 bool decode_attention_available() { return true; }
 
-// qkv [B, (H + 2 Hkv) D] (rows may be strided); k_cache, v_cache [Hkv, S, D];
-// slot_mapping [B]; block_tables [B, max_blocks]; seq_lens [B] (including this token).
+// qkv [B, (H + 2 Hkv) D] (rows may be strided); k_cache, v_cache [Hkv, S, D] (qkv's
+// type, or int8 with k_scale, v_scale [Hkv, S]); slot_mapping [B]; block_tables
+// [B, max_blocks]; seq_lens [B] (including this token).
 torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
-                               int64_t H, int64_t Hkv, int64_t block_size, double scale) {
+                               int64_t H, int64_t Hkv, int64_t block_size, double scale,
+                               c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(qkv.stride(1) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous());
+  const auto scales = cache_scales(k_cache, v_cache, k_scale, v_scale);
+  float* ksp = const_cast<float*>(scales.first);  // written: the new token's scales
+  float* vsp = const_cast<float*>(scales.second);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
               slot_mapping.scalar_type() == torch::kInt64);
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && H % Hkv == 0 && H / Hkv <= kMaxGroup);
+  TORCH_CHECK((ksp || qkv.scalar_type() == k_cache.scalar_type()) && H % Hkv == 0 && H / Hkv <= kMaxGroup);
   const int64_t B = qkv.size(0), d = k_cache.size(2);
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * d && seq_lens.numel() == B && slot_mapping.numel() == B);
   auto bt = block_tables.contiguous();
@@ -194,16 +244,21 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= mb * block_size && slots[b] >= 0 && slots[b] < k_cache.size(1),
                 "decode_attention: slot or length out of range");
-  auto run = [&](auto tag) {
+  auto run2 = [&](auto tag, auto ctag) {
     using T = decltype(tag);
+    using C = decltype(ctag);
     const int64_t* tables = bt.data_ptr<int64_t>();
     switch (d) {
-      case 64: return decode_all<T, 64>(qkv, k_cache, v_cache, slots, tables, mb, lens, B, H, Hkv, block_size, sc, out);
-      case 80: return decode_all<T, 80>(qkv, k_cache, v_cache, slots, tables, mb, lens, B, H, Hkv, block_size, sc, out);
-      case 96: return decode_all<T, 96>(qkv, k_cache, v_cache, slots, tables, mb, lens, B, H, Hkv, block_size, sc, out);
-      case 128: return decode_all<T, 128>(qkv, k_cache, v_cache, slots, tables, mb, lens, B, H, Hkv, block_size, sc, out);
+      case 64: return decode_all<T, C, 64>(qkv, k_cache, v_cache, ksp, vsp, slots, tables, mb, lens, B, H, Hkv, block_size, sc, out);
+      case 80: return decode_all<T, C, 80>(qkv, k_cache, v_cache, ksp, vsp, slots, tables, mb, lens, B, H, Hkv, block_size, sc, out);
+      case 96: return decode_all<T, C, 96>(qkv, k_cache, v_cache, ksp, vsp, slots, tables, mb, lens, B, H, Hkv, block_size, sc, out);
+      case 128: return decode_all<T, C, 128>(qkv, k_cache, v_cache, ksp, vsp, slots, tables, mb, lens, B, H, Hkv, block_size, sc, out);
       default: TORCH_CHECK(false, "unsupported head_dim ", d);
     }
+  };
+  auto run = [&](auto tag) {
+    if (ksp) run2(tag, int8_t{});
+    else run2(tag, tag);
   };
   if (qkv.scalar_type() == at::kFloat) run(float{});
   else if (qkv.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
@@ -213,7 +268,8 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::
 #else
 bool decode_attention_available() { return false; }
 torch::Tensor decode_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                               torch::Tensor, int64_t, int64_t, int64_t, double) {
+                               torch::Tensor, int64_t, int64_t, int64_t, double, c10::optional<torch::Tensor>,
+                               c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "decode_attention needs AVX-512");
 }
 #endif
