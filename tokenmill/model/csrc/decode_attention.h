@@ -96,20 +96,22 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// q . k as a vector of lane partial sums. float32: FMAs on the pre-scaled query.
-// bfloat16 (with AVX512_BF16): pairwise bf16 dot products into fp32 (exact products),
-// the scale applied to the summed score.
+inline __m512 load16(const int8_t* p) { return load16_i8(p); }
+
+// q . k as a vector of lane partial sums. FloatQueryDot: FMAs of the pre-scaled float
+// query on keys (of any type) widened to float. bfloat16 (with AVX512_BF16): pairwise
+// bf16 dot products into fp32 (exact products), the scale applied to the summed score.
 template <typename T, int D>
-struct QueryDot {
+struct FloatQueryDot {
   alignas(64) float qf[kMaxGroup * D];
   static constexpr bool kScaled = true;
-  QueryDot(const T* q, int g, float scale) {
+  FloatQueryDot(const T* q, int g, float scale) {
     for (int j = 0; j < g; ++j)
       for (int c = 0; c < D / 16; ++c)
         _mm512_store_ps(qf + j * D + c * 16, _mm512_mul_ps(load16(q + j * D + c * 16), _mm512_set1_ps(scale)));
   }
-  template <int G>
-  void dots(const T* kr, int g, __m512* out) const {
+  template <int G, typename K>
+  void dots(const K* kr, int g, __m512* out) const {
     __m512 kv[D / 16];
     for (int c = 0; c < D / 16; ++c) kv[c] = load16(kr + c * 16);
     for (int j = 0; j < (G ? G : g); ++j) {
@@ -118,6 +120,11 @@ struct QueryDot {
       out[j * 16] = a;
     }
   }
+};
+
+template <typename T, int D>
+struct QueryDot : FloatQueryDot<T, D> {
+  using FloatQueryDot<T, D>::FloatQueryDot;
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -181,27 +188,10 @@ struct QueryDotI8 {
 #else
 // Without VNNI: keys widened to float against the pre-scaled query.
 template <typename T, int D>
-struct QueryDotI8 {
+struct QueryDotI8 : FloatQueryDot<T, D> {
   static constexpr bool kIntLanes = false;
-  alignas(64) float qf[kMaxGroup * D];
   float corr[kMaxGroup] = {}, fac[kMaxGroup];
-  QueryDotI8(const T* q, int g, float scale) {
-    for (int j = 0; j < g; ++j) {
-      fac[j] = 1.f;
-      for (int c = 0; c < D / 16; ++c)
-        _mm512_store_ps(qf + j * D + c * 16, _mm512_mul_ps(load16(q + j * D + c * 16), _mm512_set1_ps(scale)));
-    }
-  }
-  template <int G>
-  void dots(const int8_t* kr, int g, __m512* out) const {
-    __m512 kv[D / 16];
-    for (int c = 0; c < D / 16; ++c) kv[c] = load16_i8(kr + c * 16);
-    for (int j = 0; j < (G ? G : g); ++j) {
-      __m512 a = _mm512_mul_ps(_mm512_load_ps(qf + j * D), kv[0]);
-      for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qf + j * D + c * 16), kv[c], a);
-      out[j * 16] = a;
-    }
-  }
+  QueryDotI8(const T* q, int g, float scale) : FloatQueryDot<T, D>(q, g, scale) { std::fill(fac, fac + kMaxGroup, 1.f); }
 };
 #endif
 
