@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from common import CONFIGS, eval_ids, load_reference  # noqa: E402
 from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
 from tokenmill.engine.llm import LLM  # noqa: E402
-from tokenmill.engine.scheduler import SchedulerConfig  # noqa: E402
-from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
+from tokenmill.config import SchedulerConfig  # noqa: E402
+from tokenmill.engine.api import SamplingParams  # noqa: E402
 from tokenmill.model.loader import load_model  # noqa: E402
 
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import CONFIGS, TEXT  # noqa: E402
 from tokenmill.config import CacheConfig, EngineConfig  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
+from tokenmill.engine.api import SamplingParams  # noqa: E402
 from tokenmill.model.attention import AttentionMetadata  # noqa: E402
 from tokenmill.model.loader import load_model  # noqa: E402
 

@@ -30,7 +30,7 @@ MODEL = "SmolLM2-135M-Instruct"
 def offline(dtype: str, quant: str, max_tokens: int, repeats: int) -> tuple[float, float]:
     from tokenmill.config import CacheConfig, EngineConfig, ModelOptions
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.api import SamplingParams
     from tokenmill.model.loader import load_model
 
     engine = LLMEngine(load_model(None, dtype, quant),

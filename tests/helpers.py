@@ -64,7 +64,7 @@ def make_engine(loaded, *, num_blocks: int = 256, block_size: int = 16, max_num_
                 native_attention: bool = True, decode_steps: int = 8, kv_cache_dtype: str = "auto"):
     from tokenmill.config import CacheConfig, EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.engine.scheduler import SchedulerConfig
+    from tokenmill.config import SchedulerConfig
 
     cfg = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,

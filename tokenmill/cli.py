@@ -31,9 +31,8 @@ def _fail(message: str) -> None:
 def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_gb: Optional[float],
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
                   enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8,
-                  kv_cache_dtype: str = "auto"):
-    from tokenmill.config import CacheConfig, EngineConfig, ModelOptions
-    from tokenmill.engine.scheduler import SchedulerConfig
+                  kv_cache_dtype: str = "auto", max_n: int = 16, max_body_mb: float = 8.0):
+    from tokenmill.engine.api import CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig
 
     return EngineConfig(
         model=ModelOptions(path=model, dtype=dtype, quantization=quantization),
@@ -43,17 +42,18 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
                                   decode_steps=decode_steps),
         max_model_len=max_model_len,
         num_threads=num_threads,
+        bounds=RequestBounds(max_n=max_n, max_body_bytes=int(max_body_mb * 1024 * 1024)),
     )
 
 
 def _cli_engine(model: Optional[str], dtype: str, quantization: str):
     """An engine for the terminal commands: metadata checked now (one-line errors), weights
     loaded on the engine thread when it starts."""
-    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.api import make_engine
     from tokenmill.model.config import ModelLoadError
 
     try:
-        engine = AsyncEngine.load(engine_config(model, dtype, quantization, 0.5, 8, 512, None, 16, True, None))
+        engine = make_engine(engine_config(model, dtype, quantization, 0.5, 8, 512, None, 16, True, None), "thread")
     except ModelLoadError as exc:
         _fail(str(exc))
     if engine.tokenizer is None:
@@ -103,6 +103,8 @@ def serve(
     max_work_tokens: Optional[int] = typer.Option(None, "--max-work-tokens",
                                                   help="Default per-request cap on prompt + output tokens."),
     max_waiting: int = typer.Option(256, "--max-waiting", help="Interactive requests that may wait; then 503."),
+    max_n: int = typer.Option(16, "--max-n", help="Most samples (n, best_of) one request may ask for."),
+    max_body_mb: float = typer.Option(8.0, "--max-body-mb", help="Largest request body in MiB; larger: 413."),
     max_waiting_batch: int = typer.Option(4096, "--max-waiting-batch", help="Batch requests that may wait."),
     price_card: str = typer.Option("tokenmill-default", "--price-card", help="Rate card for usage.cost."),
     cards: Optional[str] = typer.Option(None, "--cards", help="Rate card file or folder (default: shipped)."),
@@ -116,7 +118,7 @@ def serve(
     import logging
 
     from tokenmill.cost import CardError, load_cards, with_machine
-    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.api import ENGINE_MODES, make_engine
     from tokenmill.model.config import ModelLoadError
     from tokenmill.server.app import ServerConfig, ServicePolicy, build_app
     from tokenmill.server.gate import AdmissionConfig
@@ -149,18 +151,13 @@ def serve(
     try:
         config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                                max_model_len, block_size, prefix_caching, num_threads, decode_steps,
-                               kv_cache_dtype)
+                               kv_cache_dtype, max_n, max_body_mb)
     except ValueError as exc:
         _fail(str(exc))
-    if engine_mode not in ("thread", "process"):
-        _fail(f"--engine must be thread or process, got {engine_mode!r}")
+    if engine_mode not in ENGINE_MODES:
+        _fail(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {engine_mode!r}")
     try:
-        if engine_mode == "process":
-            from tokenmill.engine.process_engine import ProcessEngine
-
-            engine = ProcessEngine(config)
-        else:
-            engine = AsyncEngine.load(config)
+        engine = make_engine(config, engine_mode)
     except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
     if engine.tokenizer is None:
@@ -186,12 +183,9 @@ def generate(
     """Generate a continuation of PROMPT and print only the generated text."""
     import asyncio
 
-    from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
+    from tokenmill.engine.api import InvalidParameter, SamplingParams
 
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    except InvalidParameter as exc:
-        _fail(str(exc))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     engine = _cli_engine(model, dtype, quantization)
     tok = engine.tokenizer
     if chat:
@@ -205,7 +199,11 @@ def generate(
     async def run() -> None:
         await _start(engine)
         try:
-            async for out in engine.generate(uuid.uuid4().hex, ids, params):
+            try:
+                stream = engine.generate(uuid.uuid4().hex, ids, params)
+            except (InvalidParameter, ValueError) as exc:
+                _fail(str(exc))
+            async for out in stream:
                 sys.stdout.write(out.text)
                 sys.stdout.flush()
         finally:
@@ -227,7 +225,7 @@ def chat(
     """Interactive chat in the terminal (empty line or Ctrl-D to quit)."""
     import asyncio
 
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.api import SamplingParams
 
     engine = _cli_engine(model, dtype, quantization)
     tok = engine.tokenizer

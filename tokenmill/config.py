@@ -1,14 +1,34 @@
 """Frozen, layered configuration, resolved once before anything is built.
 
-Each component receives only its own part (the scheduler gets SchedulerConfig).
+Each component receives only its own part (the scheduler gets SchedulerConfig). This
+module imports nothing of tokenmill: every package may depend on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from tokenmill.engine.scheduler import SchedulerConfig
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What one request may ask for, whatever its tenant: the caps that keep a single
+    query from costing the server unbounded work or memory (configurable)."""
+    max_n: int = 16  # samples per prompt (n, best_of)
+    max_prompts: int = 64  # prompts in one /v1/completions body
+    max_logprobs: int = 20  # logprobs / top_logprobs
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 256  # characters in one stop string
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 300  # entries in logit_bias
+    max_messages: int = 2048  # chat messages
+    max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP body is refused with 413
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be positive, got {getattr(self, f.name)}")
 
 
 @dataclass(frozen=True)
@@ -17,6 +37,24 @@ class ModelOptions:
     dtype: str = "float32"
     quantization: str = "none"  # none | int8 | int4 (weight-only; computes in bfloat16)
     served_name: str | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192
+    # Greedy decode steps that may run as one engine step (the runner loops natively, not
+    # returning to Python) when every scheduled request is a plain greedy decode and this
+    # step admitted no one, divided among the requests: one sequence runs this many, 2 half
+    # as many, and from this many sequences on there are no bursts. A burst so lasts about
+    # as long as this many one-sequence steps (~4 ms each): tokens stream in bursts, and a
+    # request arriving meanwhile waits for the burst's end. 1: one step at a time.
+    decode_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.decode_steps < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and decode_steps must be positive")
 
 
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -55,3 +93,4 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     num_threads: int | None = None  # None: the cores this process may use
     native_attention: bool = True  # the compiled paged-attention kernel (falls back to torch)
+    bounds: RequestBounds = field(default_factory=RequestBounds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import make_engine, run_to_completion
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import SamplingParams
 
 TOPICS = ["the sea", "a cat", "mathematics", "Paris", "rain", "coffee", "the moon", "trains",
           "music", "gardens", "winter", "robots", "bread", "mountains", "books", "time"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import make_engine, run_to_completion, tiny_loaded
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import SamplingParams
 from tokenmill.model.kernels import native_ops
 
 ops = native_ops()

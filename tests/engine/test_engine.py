@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from tests.helpers import make_engine, run_to_completion, tiny_loaded
-from tokenmill.engine.request import Priority
-from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
-from tokenmill.engine.scheduler import AdmissionError
+from tokenmill.engine.api import Priority
+from tokenmill.engine.api import InvalidParameter, SamplingParams
+from tokenmill.engine.api import AdmissionError
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +92,12 @@ def test_abort_frees_blocks_at_once(tiny, when):
     (dict(min_p=1.5), "min_p"), (dict(logprobs=50), "logprobs"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"), (dict(repetition_penalty=0), "repetition_penalty"),
 ])
-def test_bad_sampling_params_are_rejected_before_scheduling(kwargs, param):
+def test_bad_sampling_params_are_rejected_before_scheduling(tiny, kwargs, param):
+    engine = make_engine(tiny)
     with pytest.raises(InvalidParameter) as ei:
-        SamplingParams(**kwargs)
+        engine.add_request("a", _prompt(5), SamplingParams(**kwargs))
     assert ei.value.param == param
+    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
 
 
 def test_request_that_can_never_fit_is_refused(tiny):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import make_engine, run_to_completion
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import make_engine, tiny_loaded
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import SamplingParams
 
 TINY = tiny_loaded(layers=1, hidden=16, heads=2, kv_heads=1)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import make_engine
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import SamplingParams
 from tokenmill.model.kernels import native_ops
 from tokenmill.model.memory import HUGE_PAGE, hugepage_zeros, pack_together
 

@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import full_logits, make_engine, run_to_completion, tiny_loaded
 from tokenmill.config import CacheConfig
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import SamplingParams
 from tokenmill.kv.cache import KVCache
 from tokenmill.model.attention import dequantize_kv, quantize_kv
 from tokenmill.model.kernels import native_ops

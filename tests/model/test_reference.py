@@ -42,7 +42,7 @@ def test_chunked_and_decode_paths_match_transformers(smol, hf_smol, chunk):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_32_tokens_identical(smol, hf_smol, prompt):
     from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.api import SamplingParams
     from tokenmill.config import CacheConfig, EngineConfig
 
     ids = smol.tokenizer.encode(prompt)

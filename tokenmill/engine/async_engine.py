@@ -5,43 +5,46 @@ abort) and receive outputs through one asyncio queue per request, fed once per s
 A consumer that goes away (stream closed, task cancelled) aborts its request, which
 frees its blocks before the next step.
 
-`EngineFront` is the seam: `AsyncEngine` runs the loop in a thread of this process;
-`tokenmill.engine.process_engine.ProcessEngine` runs it in a child process. Only
-`_submit` and the loop differ.
+`EngineFront` implements `tokenmill.engine.api.EngineClient`: `AsyncEngine` runs the
+loop in a thread of this process; `tokenmill.engine.process_engine.ProcessEngine` runs
+it in a child process. Only starting the loop, `_submit` and the loop itself differ.
+
+When the loop dies, every request in flight ends at once with `EngineDeadError`, and
+the loop is rebuilt (a fresh engine over the same model) and counted; a loop that
+keeps dying gives up, so that a supervisor can restart the whole server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import EngineStats, LLMEngine
-from tokenmill.engine.output import RequestOutput
-from tokenmill.engine.request import Priority
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import AdmissionLimits
+from tokenmill.config import EngineConfig, RequestBounds
+from tokenmill.engine.api import (EngineDeadError, EngineStats, Priority, RequestLimits, RequestOutput,
+                                  SamplingParams)
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.loader import LoadedModel, load_metadata, load_model
 from tokenmill.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
 
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed; requests in flight cannot complete."""
+# A loop that dies this often within the window is not restarted again.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
 class AddCommand:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # checked: max_tokens resolved
     kwargs: dict[str, Any]
 
 
@@ -51,68 +54,91 @@ class AbortCommand:
 
 
 class EngineFront:
-    """The asyncio side: per-request queues, generate(), abort(); subclasses run the loop."""
+    """The asyncio side: per-request queues, check/generate/abort, death and restart;
+    subclasses run the loop."""
 
-    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig):
+    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, bounds: RequestBounds):
         self.tokenizer = tokenizer
         self.model_config = model_config
-        self.limits: AdmissionLimits | None = None  # known once the engine is built
-        self.error: BaseException | None = None
+        self.bounds = bounds  # known before start: the server sizes its body limit by it
+        self.error: BaseException | None = None  # set while the loop is dead
+        self.gave_up = False  # the loop kept dying: no more restarts
+        self.on_give_up: Callable[[], None] | None = None  # the server's exit hook
+        self.restarts = 0
+        self._restart_times: deque[float] = deque()
+        self._limits: RequestLimits | None = None  # known once the engine is built
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stats: EngineStats | None = None
+        self._stats: EngineStats = EngineStats()
+        self._stopping = False
+        self._restarting = False
 
     # -- to implement -------------------------------------------------------------------
     def _submit(self, cmd: AddCommand | AbortCommand) -> None:
+        raise NotImplementedError
+
+    async def _restart_loop(self) -> None:
+        """Replace a dead loop by a fresh one (raises if it cannot start)."""
         raise NotImplementedError
 
     @property
     def running(self) -> bool:
         raise NotImplementedError
 
-    # -- shared -------------------------------------------------------------------------
+    # -- the client seam ----------------------------------------------------------------
+    @property
+    def limits(self) -> RequestLimits:
+        if self._limits is None:
+            raise EngineDeadError("the engine has not started")
+        return self._limits
+
     @property
     def max_model_len(self) -> int:
-        assert self.limits is not None
         return self.limits.max_model_len
 
     def stats(self) -> EngineStats:
-        assert self._stats is not None
-        return self._stats  # a snapshot refreshed by the loop after each step
+        # a snapshot refreshed by the loop after each step
+        return dataclasses.replace(self._stats, engine_restarts=self.restarts)
 
-    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Validate before queueing: raises InvalidParameter / AdmissionError. Returns the
-        resolved max_tokens."""
-        assert self.limits is not None
-        params.validate()
-        max_tokens = self.limits.resolve_max_tokens(num_prompt_tokens, params.max_tokens)
-        self.limits.check(num_prompt_tokens, max_tokens)
-        return max_tokens
+    def check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SamplingParams:
+        return self.limits.check(prompts, params)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
-                       tenant: str | None = None, arrival_time: float | None = None,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
+                 tenant: str | None = None, arrival_time: float | None = None,
+                 deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Check the request now (raises InvalidParameter / AdmissionError / EngineDeadError);
+        it is queued when the returned stream is first awaited, so a stream never
+        consumed costs nothing."""
         if not self.running:
             raise EngineDeadError("the engine is not running")
-        self.check_request(len(prompt_token_ids), params)
+        params = self.check([prompt_token_ids], params)
+        cmd = AddCommand(request_id, list(prompt_token_ids), params,
+                         dict(priority=priority, cache_salt=cache_salt, tenant=tenant,
+                              arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                              deadline=deadline))
+        return self._stream(cmd)
+
+    async def _stream(self, cmd: AddCommand) -> AsyncIterator[RequestOutput]:
+        if not self.running:
+            raise EngineDeadError("the engine is not running")
+        request_id = cmd.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._submit(AddCommand(request_id, prompt_token_ids, params,
-                                dict(priority=priority, cache_salt=cache_salt, tenant=tenant,
-                                     arrival_time=arrival_time, deadline=deadline)))
-        remaining = params.n
+        self._submit(cmd)
+        remaining = cmd.params.n
         try:
             while remaining:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    remaining = 0  # the loop that held it is gone: nothing to abort
                     raise item
                 if item.finished:
                     remaining -= 1
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if remaining:
+            if remaining and self.running:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -122,6 +148,7 @@ class EngineFront:
         for rid in list(self._queues):
             self.abort(rid)
 
+    # -- loop side (called on the event loop) -------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             q = self._queues.get(out.request_id)
@@ -133,14 +160,47 @@ class EngineFront:
         if q is not None:
             q.put_nowait(exc)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _on_death(self, exc: BaseException) -> None:
+        """The loop died: end every request in flight now, then restart the loop."""
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine failed: {exc!r}")
+        self.error = error
         for rid in list(self._queues):
-            self._fail(rid, exc)
+            self._fail(rid, error)
+        if self._stopping or self._restarting:
+            return
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= MAX_RESTARTS:
+            self._give_up(f"the engine died {len(self._restart_times) + 1} times within {RESTART_WINDOW_S:.0f}s")
+            return
+        self._restart_times.append(now)
+        self._restarting = True
+        asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        log.error("%s; restarting it", self.error)
+        try:
+            await self._restart_loop()
+        except BaseException as exc:
+            self._restarting = False
+            self._give_up(f"the engine could not be restarted: {exc!r}")
+            return
+        self._restarting = False
+        self.restarts += 1
+        self.error = None
+        log.warning("engine restarted (%d restarts so far)", self.restarts)
+
+    def _give_up(self, why: str) -> None:
+        log.critical("%s; giving up", why)
+        self.gave_up = True
+        if self.on_give_up is not None:
+            self.on_give_up()
 
 
-def run_commands(engine: LLMEngine, cmds: list[AddCommand | AbortCommand]
+def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand]
                  ) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
-    """Apply queued commands to the engine: (outputs of aborts, refused adds)."""
+    """Apply queued commands to the engine (an LLMEngine): (outputs of aborts, refused adds)."""
     outputs: list[RequestOutput] = []
     refused: list[tuple[str, Exception]] = []
     for cmd in cmds:
@@ -148,7 +208,7 @@ def run_commands(engine: LLMEngine, cmds: list[AddCommand | AbortCommand]
             outputs.extend(engine.abort(cmd.request_id))
             continue
         try:
-            engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
+            engine.add_checked(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
         except ValueError as exc:
             refused.append((cmd.request_id, exc))
     return outputs, refused
@@ -168,15 +228,14 @@ class AsyncEngine(EngineFront):
         if loaded is not None:
             model_config, tokenizer = loaded.config, loaded.tokenizer
         assert model_config is not None
-        super().__init__(tokenizer, model_config)
-        self.config = config or EngineConfig()
-        self.engine: LLMEngine | None = None
-        if loaded is not None:
-            self._build(loaded)
+        config = config or EngineConfig()
+        super().__init__(tokenizer, model_config, config.bounds)
+        self.config = config
+        self.engine = None  # the LLMEngine, built on the engine thread
+        self._loaded = loaded
         self._cmds: deque[AddCommand | AbortCommand] = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._stopping = False
         self._ready = threading.Event()
 
     @classmethod
@@ -185,9 +244,14 @@ class AsyncEngine(EngineFront):
         model_config, tokenizer = load_metadata(config.model.path)
         return cls(None, config, model_config=model_config, tokenizer=tokenizer)
 
-    def _build(self, loaded: LoadedModel) -> None:
-        self.engine = LLMEngine(loaded, self.config)
-        self.limits = self.engine.limits
+    def _build(self) -> None:
+        from tokenmill.engine.llm_engine import LLMEngine
+
+        if self._loaded is None:
+            m = self.config.model
+            self._loaded = load_model(m.path, m.dtype, m.quantization)
+        self.engine = LLMEngine(self._loaded, self.config)
+        self._limits = self.engine.limits
         self._stats = self.engine.stats()
 
     @property
@@ -198,12 +262,22 @@ class AsyncEngine(EngineFront):
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        await self._start_thread()
+
+    async def _start_thread(self) -> None:
         self._ready.clear()
+        self.engine = None
+        self._cmds.clear()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
         await asyncio.to_thread(self._ready.wait)
-        if self.error is not None:
+        if self.engine is None:
             raise RuntimeError(f"engine failed to start: {self.error}")
+
+    async def _restart_loop(self) -> None:
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        await self._start_thread()
 
     async def stop(self) -> None:
         with self._wake:
@@ -222,9 +296,7 @@ class AsyncEngine(EngineFront):
         loop = self._loop
         assert loop is not None
         try:
-            if self.engine is None:
-                m = self.config.model
-                self._build(load_model(m.path, m.dtype, m.quantization))
+            self._build()
         except BaseException as exc:
             self.error = exc
             self._ready.set()
@@ -249,5 +321,4 @@ class AsyncEngine(EngineFront):
                     loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as exc:  # a bug in the step path: fail loudly, not silently
             log.exception("engine loop failed")
-            self.error = exc
-            loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop failed: {exc!r}"))
+            loop.call_soon_threadsafe(self._on_death, exc)

@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.output import RequestOutput, TokenLogprob
-from tokenmill.engine.request import RequestTimes
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import Choice, RequestOutput, SamplingParams, TokenLogprob
 from tokenmill.model.loader import LoadedModel, load_model
-
-
-@dataclass
-class Completion:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    times: RequestTimes | None = None
 
 
 @dataclass
 class GenerationResult:
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[Completion]
+    outputs: list[Choice]
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -53,7 +40,7 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(rid, ids, sp)
-            results[rid] = GenerationResult(rid, ids, [Completion(i) for i in range(sp.n)])
+            results[rid] = GenerationResult(rid, ids, [Choice(i) for i in range(sp.n)])
             order.append(rid)
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -62,16 +49,8 @@ class LLM:
 
     @staticmethod
     def _merge(res: GenerationResult, out: RequestOutput) -> None:
-        c = res.outputs[out.index]
-        c.text += out.text
-        c.token_ids.extend(out.new_token_ids)
-        if out.logprobs is not None:
-            c.logprobs = (c.logprobs or []) + out.logprobs
+        res.outputs[out.index].add(out)
         if out.prompt_logprobs is not None:
             res.prompt_logprobs = out.prompt_logprobs
         if out.index == 0:
             res.num_cached_tokens = out.num_cached_tokens
-        if out.finished:
-            c.finish_reason = out.finish_reason
-            c.stop_reason = out.stop_reason
-            c.times = out.times

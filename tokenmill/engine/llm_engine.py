@@ -14,37 +14,21 @@ import dataclasses
 import heapq
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig, default_num_threads
-from tokenmill.engine.output import OutputProcessor, RequestOutput
-from tokenmill.engine.request import Priority, Request, RequestStatus
+from tokenmill.engine.api import (EngineStats, InvalidParameter, Priority, RequestLimits, RequestOutput,
+                                  SamplingParams)
+from tokenmill.engine.output import OutputProcessor
+from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
-from tokenmill.engine.scheduler import AdmissionLimits, Scheduler
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.kv.cache import KVCache, default_cache_bytes
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.model.loader import LoadedModel
 
 log = logging.getLogger("tokenmill.engine")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_waiting_interactive: int
-    num_waiting_batch: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    prompt_tokens_computed: int
-    generation_tokens: int
-    steps: int
 
 
 class LLMEngine:
@@ -74,6 +58,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
                                 mcfg.head_dim, dtype, kv_dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.limits = RequestLimits(max_len, self.scheduler.cache_tokens, mcfg.vocab_size, config.bounds)
         self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
@@ -90,26 +75,22 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 
-    @property
-    def limits(self) -> AdmissionLimits:
-        return self.scheduler.limits
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
-                    tenant: str | None = None, arrival_time: float | None = None,
-                    deadline: float | None = None) -> None:
+                    **kwargs) -> None:
         """Queue a request (n samples). Raises InvalidParameter / AdmissionError, having
         scheduled nothing, when it can never be served. Past `deadline` (time.monotonic)
         the request is aborted and its blocks freed: its answer can no longer be useful."""
+        self.add_checked(request_id, prompt_token_ids, self.limits.check([prompt_token_ids], params), **kwargs)
+
+    def add_checked(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
+                    tenant: str | None = None, arrival_time: float | None = None,
+                    deadline: float | None = None) -> None:
+        """add_request for params that RequestLimits.check returned (max_tokens resolved)."""
         if request_id in self._groups:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
-        if not prompt_token_ids:
-            raise InvalidParameter("prompt", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise InvalidParameter("prompt", f"prompt token ids must be in [0, {vocab})")
-        params.validate()
-        max_tokens = self.limits.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        max_tokens = params.max_tokens
+        assert max_tokens is not None, "params must come from RequestLimits.check"
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         reqs = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids, params,

@@ -8,37 +8,12 @@ held back, so a stop string never leaks into a stream and is not in the output.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from tokenmill.engine.request import Request, RequestStatus, RequestTimes
+from tokenmill.engine.api import RequestOutput, TokenLogprob
+from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import RunnerOutput
 from tokenmill.model.detokenizer import IncrementalDetokenizer
 from tokenmill.model.tokenizer import Tokenizer
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class RequestOutput:
-    """One step's news about one sample (index) of one user request."""
-    request_id: str  # the user request's id (shared by its n samples)
-    index: int
-    new_token_ids: list[int]
-    text: str  # new text since the last output
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # position 0 has none
-    times: RequestTimes | None = None
 
 
 class _TextState:
@@ -73,9 +48,9 @@ class OutputProcessor:
             st = self._states.get(rid)
             if st is None or st.prompt_logprobs is None:
                 continue
-            for pos, t, lp in entries:  # a recompute after preemption scores positions again
+            for pos, lp in entries:  # a recompute after preemption scores positions again
                 if pos == len(st.prompt_logprobs):
-                    st.prompt_logprobs.append(TokenLogprob(t, lp.logprob, lp.top))
+                    st.prompt_logprobs.append(lp)
         for req in produced:
             st = self._states[req.request_id]
             toks = req.output_token_ids[st.num_sent:]
@@ -95,7 +70,7 @@ class OutputProcessor:
             st.num_sent += len(toks)
             text = self._flush(st) if req.finished else self._release(st)
             lp = result.logprobs.get(req.request_id)
-            logprobs = [TokenLogprob(toks[0], lp.logprob, lp.top)] if lp is not None else None
+            logprobs = [lp] if lp is not None and toks else None
             outputs.append(self._output(req, st, toks, text, logprobs))
         return outputs
 

@@ -4,27 +4,59 @@ The child owns the model, the KV cache and the step loop; this process keeps onl
 the tokenizer and model metadata. Commands go down one queue; each step's outputs
 and a stats snapshot come back up another as one message. `time.monotonic` is
 system-wide on Linux, so arrival times and deadlines mean the same on both sides.
+
+The child never outlives this process: the kernel kills it when its parent dies
+(PR_SET_PDEATHSIG), and a thread in it exits when a pipe that only the parent holds
+open reaches end-of-file (the fallback where prctl is missing). If the child dies,
+the reader notices within `POLL_S`, every request in flight ends with an error, and
+a new child is started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import (AbortCommand, AddCommand, EngineDeadError, EngineFront,
-                                           run_commands)
+from tokenmill.engine.api import EngineDeadError, InvalidParameter
+from tokenmill.engine.async_engine import AbortCommand, AddCommand, EngineFront, run_commands
 from tokenmill.model.loader import load_metadata
 
 log = logging.getLogger("tokenmill.engine")
 _STOP = "stop"
+POLL_S = 0.2  # how often the reader checks that the child is alive while it is silent
+_PR_SET_PDEATHSIG = 1
 
 
-def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any) -> None:
+def _die_with_parent(parent_pid: int, lifeline: Any) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the lifeline below still holds
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tokenmill-lifeline", daemon=True).start()
+
+
+def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, parent_pid: int) -> None:
+    _die_with_parent(parent_pid, lifeline)
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.model.loader import load_model
 
@@ -55,60 +87,128 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any) -> None:
         out_q.put(("failed", repr(exc)))
 
 
+@dataclass
+class _Child:
+    proc: Any
+    cmd_q: Any
+    out_q: Any
+    lifeline: Any  # the write end: the child sees end-of-file when this process dies
+    reader: threading.Thread | None = None
+    closed: bool = False
+
+
 class ProcessEngine(EngineFront):
     def __init__(self, config: EngineConfig):
         model_config, tokenizer = load_metadata(config.model.path)
-        super().__init__(tokenizer, model_config)
-        ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP threads
-        self._cmd_q = ctx.Queue()
-        self._out_q = ctx.Queue()
-        self._proc = ctx.Process(target=_child_main, args=(config, self._cmd_q, self._out_q),
-                                 name="tokenmill-engine", daemon=True)
-        self._reader: threading.Thread | None = None
+        super().__init__(tokenizer, model_config, config.bounds)
+        self.config = config
+        self._ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP threads
+        self._child: _Child | None = None
 
     @property
     def running(self) -> bool:
-        return self._proc.is_alive() and self.error is None and self.limits is not None
+        c = self._child
+        return (c is not None and not c.closed and c.proc.is_alive() and self.error is None
+                and self._limits is not None)
+
+    @property
+    def pid(self) -> int | None:
+        """The engine child's process id (None before start)."""
+        return self._child.proc.pid if self._child is not None else None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._proc.start()
-        msg = await asyncio.to_thread(self._out_q.get)
+        self._stopping = False
+        await self._spawn()
+
+    async def _spawn(self) -> None:
+        ctx = self._ctx
+        cmd_q, out_q = ctx.Queue(), ctx.Queue()
+        theirs, ours = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child_main, args=(self.config, cmd_q, out_q, theirs, os.getpid()),
+                           name="tokenmill-engine", daemon=True)
+        proc.start()  # from the event loop's thread: PDEATHSIG follows the thread that forked
+        theirs.close()
+        child = _Child(proc, cmd_q, out_q, ours)
+        self._child = child
+        msg = await asyncio.to_thread(self._first_message, child)
         if msg[0] != "ready":
+            self._close(child)
             self.error = RuntimeError(f"engine process failed to start: {msg[1]}")
             raise self.error
-        _, self.limits, self._stats = msg
-        self._reader = threading.Thread(target=self._read, name="tokenmill-engine-reader", daemon=True)
-        self._reader.start()
+        _, self._limits, self._stats = msg
+        child.reader = threading.Thread(target=self._read, args=(child,), name="tokenmill-engine-reader",
+                                        daemon=True)
+        child.reader.start()
+
+    @staticmethod
+    def _first_message(child: _Child) -> tuple:
+        while True:
+            try:
+                return child.out_q.get(timeout=POLL_S)
+            except queue.Empty:
+                if not child.proc.is_alive():
+                    return ("failed", f"exit code {child.proc.exitcode}")
+
+    async def _restart_loop(self) -> None:
+        old = self._child
+        if old is not None:
+            await asyncio.to_thread(self._close, old)
+        await self._spawn()
 
     async def stop(self) -> None:
-        if self._proc.is_alive():
-            self._cmd_q.put(_STOP)
-            await asyncio.to_thread(self._proc.join, 30)
-            if self._proc.is_alive():
-                self._proc.kill()
-        self._out_q.put(None)  # wake the reader
-        if self._reader is not None:
-            await asyncio.to_thread(self._reader.join, 5)
+        self._stopping = True
+        child = self._child
+        if child is None:
+            return
+        if child.proc.is_alive():
+            child.cmd_q.put(_STOP)
+            await asyncio.to_thread(child.proc.join, 30)
+        await asyncio.to_thread(self._close, child)
+
+    @staticmethod
+    def _close(child: _Child) -> None:
+        child.closed = True
+        if child.proc.is_alive():
+            child.proc.kill()
+        child.proc.join(5)
+        child.out_q.put(None)  # wake the reader
+        if child.reader is not None and child.reader is not threading.current_thread():
+            child.reader.join(5)
+        child.lifeline.close()
+        for q in (child.cmd_q, child.out_q):
+            q.close()
+            q.cancel_join_thread()
 
     def _submit(self, cmd: AddCommand | AbortCommand) -> None:
-        self._cmd_q.put(cmd)
+        child = self._child
+        if child is not None and not child.closed:
+            child.cmd_q.put(cmd)
 
-    def _read(self) -> None:
+    def _read(self, child: _Child) -> None:
         loop = self._loop
         assert loop is not None
         while True:
-            msg = self._out_q.get()
-            if msg is None:
+            try:
+                msg = child.out_q.get(timeout=POLL_S)
+            except queue.Empty:
+                if child.closed:
+                    return
+                if child.proc.is_alive():
+                    continue
+                msg = ("failed", f"the engine process exited (code {child.proc.exitcode})")
+            except (EOFError, OSError):
+                msg = ("failed", "the engine process's queue broke")
+            if msg is None or child.closed:
                 return
             if msg[0] == "failed":
-                self.error = EngineDeadError(f"engine process failed: {msg[1]}")
-                log.error("%s", self.error)
-                loop.call_soon_threadsafe(self._fail_all, self.error)
+                error = EngineDeadError(f"engine process failed: {msg[1]}")
+                log.error("%s", error)
+                loop.call_soon_threadsafe(self._on_death, error)
                 return
             _, outputs, refused, stats = msg
             self._stats = stats
             for rid, text in refused:
-                loop.call_soon_threadsafe(self._fail, rid, ValueError(text))
+                loop.call_soon_threadsafe(self._fail, rid, InvalidParameter("request_id", text))
             if outputs:
                 loop.call_soon_threadsafe(self._deliver, outputs)

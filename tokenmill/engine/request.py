@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import Priority, RequestTimes, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -27,21 +26,6 @@ class RequestStatus(enum.Enum):
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED)
-
-
-class Priority(enum.IntEnum):
-    """Lower value is served first."""
-    INTERACTIVE = 0
-    BATCH = 1
-
-
-@dataclass
-class RequestTimes:
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    tokens: list[float] = field(default_factory=list)
-    finished: float | None = None
 
 
 class Request:

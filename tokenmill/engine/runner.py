@@ -14,6 +14,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from tokenmill.engine.api import TokenLogprob
 from tokenmill.engine.sampler import SamplingBatch, sample
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
@@ -26,17 +27,11 @@ _NO_TEMPERATURES = torch.zeros(0)
 
 
 @dataclass
-class TokenLogprobs:
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
-
-
-@dataclass
 class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # one token a step
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # request id -> [(position, token id, logprob, top)] for prompt tokens scored this step
-    prompt_logprobs: dict[str, list[tuple[int, int, TokenLogprobs]]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request id -> [(position, logprob)] for prompt tokens scored this step
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -147,7 +142,7 @@ class ModelRunner:
                 if s.params.logprobs is not None:
                     k = s.params.logprobs
                     top = list(zip(so.top_ids[j][:k], so.top_logprobs[j][:k])) if k else []
-                    result.logprobs[s.request_id] = TokenLogprobs(so.logprobs[j], top)
+                    result.logprobs[s.request_id] = TokenLogprob(so.token_ids[j], so.logprobs[j], top)
         for i, s in enumerate(sch):
             if wants_prompt[i]:
                 result.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, hidden[cu[i]:cu[i + 1]])
@@ -165,7 +160,7 @@ class ModelRunner:
         out = []
         for j in range(n):
             tops = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []
-            out.append((s.start + 1 + j, int(targets[j]), TokenLogprobs(chosen[j], tops)))
+            out.append((s.start + 1 + j, TokenLogprob(int(targets[j]), chosen[j], tops)))
         return out
 
     def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:

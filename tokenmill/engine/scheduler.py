@@ -14,66 +14,11 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.api import SamplingParams
 from tokenmill.engine.parallel import SampleGroups
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.kv.manager import KVCacheManager
-
-
-class AdmissionError(ValueError):
-    """A request that can never be served (too long for the context or the cache)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """What any request must fit: the context window and the whole KV cache. Pure, so a
-    front end in another process can refuse a request without asking the engine."""
-    max_model_len: int
-    cache_tokens: int
-
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        if max_tokens is not None:
-            return max_tokens
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise AdmissionError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                f"has {num_prompt_tokens} tokens", param="messages")
-        return room
-
-    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        limit = self.max_model_len
-        if num_prompt_tokens + max_tokens > limit:
-            raise AdmissionError(
-                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens} prompt "
-                f"tokens + {max_tokens} max_tokens = {num_prompt_tokens + max_tokens} were requested",
-                param="max_tokens")
-        if num_prompt_tokens + max_tokens > self.cache_tokens:
-            raise AdmissionError(
-                f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed the whole KV cache "
-                f"({self.cache_tokens} tokens); raise the cache size or lower max_tokens", param="max_tokens")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 8192
-    # Greedy decode steps that may run as one engine step (the runner loops natively, not
-    # returning to Python) when every scheduled request is a plain greedy decode and this
-    # step admitted no one, divided among the requests: one sequence runs this many, 2 half
-    # as many, and from this many sequences on there are no bursts. A burst so lasts about
-    # as long as this many one-sequence steps (~4 ms each): tokens stream in bursts, and a
-    # request arriving meanwhile waits for the burst's end. 1: one step at a time.
-    decode_steps: int = 8
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.decode_steps < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and decode_steps must be positive")
 
 
 @dataclass
@@ -165,13 +110,12 @@ class Scheduler:
 
     # -- admission ----------------------------------------------------------------------
     @property
-    def limits(self) -> AdmissionLimits:
-        return AdmissionLimits(self.config.max_model_len, self.kv.num_blocks * self.kv.block_size)
+    def cache_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
 
     def add_requests(self, reqs: list[Request]) -> None:
-        """Add one user request's samples (n of them). Check admissibility first."""
-        for req in reqs:
-            self.limits.check(req.num_prompt_tokens, req.max_tokens)
+        """Add one user request's samples (n of them), already checked by the engine
+        against RequestLimits (they fit the context and the cache)."""
         for req in reqs:
             assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
             req.arrival_seq = self._arrivals
@@ -255,7 +199,7 @@ class Scheduler:
                 block_ids=self.kv.blocks_of(req.request_id),
                 sample=end == req.num_tokens,
                 params=sp,
-                seed=None if sp.seed is None else sp.seed + req.index,
+                seed=None if sp.seed is None else (sp.seed + req.index) % 2 ** 64,
                 output_token_ids=req.output_token_ids,
                 prompt_token_ids=req.prompt_token_ids,
                 banned_token_ids=(list(req.eos_token_ids) + sp.stop_token_ids
@@ -273,7 +217,7 @@ class Scheduler:
         steps = self.config.decode_steps // len(reqs)
         for req in reqs:
             sp = req.params
-            if (not sp.greedy or sp.logprobs is not None or sp.has_penalties
+            if (not sp.greedy or sp.logprobs is not None or sp.has_penalties or sp.logit_bias
                     or req.num_output_tokens < sp.min_tokens):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens,

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.api import EngineClient
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
@@ -59,6 +59,23 @@ class ServerState:
         self.draining = False
         self.inflight = 0
         self.started = time.time()
+        self.on_fatal = None  # set by the launcher: exit non-zero (the engine cannot recover)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+LAG_PROBE_S = 0.05  # how often the event loop's lag is sampled
+
+
+async def watch_loop_lag(metrics: Metrics) -> None:
+    """Sample how late a timer fires: the time the loop was busy with something else."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(LAG_PROBE_S)
+        metrics.observe_loop_lag(max(0.0, loop.time() - t - LAG_PROBE_S))
 
 
 class Frontdoor:
@@ -70,8 +87,9 @@ class Frontdoor:
     - when the exchange ends, however it ends, the request's settlement runs."""
 
     def __init__(self, app: ASGIApp, state: ServerState, metrics: Metrics, gate: Gate,
-                 keys: KeyStore | None, open_tenant: Tenant):
+                 keys: KeyStore | None, open_tenant: Tenant, max_body_bytes: int):
         self.app = app
+        self.max_body_bytes = max_body_bytes
         self.state = state
         self.metrics = metrics
         self.gate = gate
@@ -113,6 +131,27 @@ class Frontdoor:
         if is_api and tenant is None:
             await APIError(401, AUTH_ERROR, code="invalid_api_key").response()(scope, receive, send_wrapper)
             return
+        too_large = APIError(413, f"the request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await too_large.response()(scope, receive, send_wrapper)
+            return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:  # a body sent without a length is counted as it comes
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send_wrapper(message)
         counted = is_api and scope["method"] == "POST"
         if counted and self.state.draining:
             resp = APIError(503, "the server is shutting down", code="shutting_down").response()
@@ -121,7 +160,10 @@ class Frontdoor:
         if counted:
             self.state.inflight += 1
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await too_large.response()(scope, receive, send_wrapper)
         finally:
             if counted:
                 self.state.inflight -= 1
@@ -143,7 +185,7 @@ def _timeout_header(raw: Request) -> float | None:
     return t
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None,
+def build_app(engine: EngineClient, config: ServerConfig | None = None,
               policy: ServicePolicy | None = None) -> FastAPI:
     config = config or ServerConfig()
     policy = policy or ServicePolicy()
@@ -162,13 +204,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None,
     chat = ServingChat(engine, engine.tokenizer, model_name, metrics)
     completion = ServingCompletion(engine, engine.tokenizer, model_name, metrics)
 
+    def engine_gave_up() -> None:
+        if state.on_fatal is not None:
+            state.on_fatal()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        engine.on_give_up = engine_gave_up
         await engine.start()
+        lag = asyncio.ensure_future(watch_loop_lag(metrics))
         log.info("serving %s", model_name)
         try:
             yield
         finally:
+            lag.cancel()
             await engine.stop()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
@@ -215,8 +264,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.error is not None:
-            return JSONResponse({"status": "engine failed"}, status_code=503)
+        if engine.error is not None or engine.gave_up:
+            return JSONResponse({"status": "engine failed", "error": str(engine.error),
+                                 "restarting": not engine.gave_up}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
@@ -229,14 +279,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None,
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_middleware(Frontdoor, state=state, metrics=metrics, gate=gate, keys=policy.keys,
-                       open_tenant=Tenant(ANONYMOUS, policy.defaults))
+                       open_tenant=Tenant(ANONYMOUS, policy.defaults),
+                       max_body_bytes=engine.bounds.max_body_bytes)
     return app
 
 
 async def drain(app: FastAPI, timeout_s: float) -> None:
     """Stop admitting, give in-flight requests `timeout_s` to finish, abort the rest."""
     state: ServerState = app.state.server
-    engine: AsyncEngine = app.state.engine
+    engine: EngineClient = app.state.engine
     state.draining = True
     deadline = time.monotonic() + timeout_s
     while state.inflight and time.monotonic() < deadline:

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.engine.api import AdmissionError, EngineDeadError, InvalidParameter
+
 log = logging.getLogger("tokenmill.server")
 
 _TYPES = {
@@ -54,6 +56,18 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(InvalidParameter)
+    async def _invalid(_: Request, exc: InvalidParameter) -> JSONResponse:
+        return APIError(400, str(exc), param=exc.param).response()
+
+    @app.exception_handler(AdmissionError)
+    async def _admission(_: Request, exc: AdmissionError) -> JSONResponse:
+        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded").response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

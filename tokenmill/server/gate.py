@@ -20,9 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.cost import Ledger, SpendBudget
-from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.engine.request import Priority
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api import EngineStats, Priority, SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.keys import Tenant, TenantLimits
 from tokenmill.server.limits import TokenBucket, format_duration, request_burst, retry_after_header
@@ -160,8 +158,9 @@ class Gate:
                                headers={"Retry-After": retry_after_header(estimate - timeout_s)})
 
     # -- phase 2 --------------------------------------------------------------------------
-    def admit_tokens(self, ctx, num_prompt: int, params: SamplingParams, context_room: int) -> SamplingParams:
-        """Apply caps and reserve tokens; returns the params to run (max_tokens clamped)."""
+    def admit_tokens(self, ctx, num_prompt: int, params: SamplingParams) -> SamplingParams:
+        """Apply caps and reserve tokens to params the engine checked (max_tokens resolved);
+        returns the params to run (max_tokens clamped)."""
         lim: TenantLimits = ctx.limits
         st = self._states[ctx.tenant]
         if lim.max_prompt_tokens is not None and num_prompt > lim.max_prompt_tokens:
@@ -171,7 +170,8 @@ class Gate:
         if lim.max_n is not None and params.n > lim.max_n:
             raise self._429(st, f"n={params.n} exceeds this key's limit of {lim.max_n}", "n_limit_exceeded",
                             math.inf, param="n")
-        max_tokens = params.max_tokens if params.max_tokens is not None else context_room
+        max_tokens = params.max_tokens
+        assert max_tokens is not None, "params must be checked by the engine first"
         cap = max_tokens
         if lim.max_output_tokens is not None:
             cap = min(cap, lim.max_output_tokens)

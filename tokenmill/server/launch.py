@@ -2,7 +2,8 @@
 
 On the first SIGTERM or SIGINT the server stops admitting (503), gives requests in
 flight `shutdown_timeout_s` to finish, aborts the rest, then exits 0. A second
-signal exits at once.
+signal exits at once. If the engine dies too often to be restarted, the server exits
+with status 3, for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 
 import uvicorn
 from fastapi import FastAPI
@@ -25,6 +27,13 @@ class GracefulServer(uvicorn.Server):
         self._fastapi = app
         self._shutdown_timeout_s = shutdown_timeout_s
         self._draining = False
+        self.exit_code = 0
+        app.state.server.on_fatal = self._fatal
+
+    def _fatal(self) -> None:
+        log.critical("the engine cannot be restarted: exiting with status 3")
+        self.exit_code = 3
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
         if self._draining:
@@ -45,4 +54,7 @@ class GracefulServer(uvicorn.Server):
 def run_server(app: FastAPI, host: str, port: int, shutdown_timeout_s: float, log_level: str = "info") -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
-    GracefulServer(config, app, shutdown_timeout_s).run()
+    server = GracefulServer(config, app, shutdown_timeout_s)
+    server.run()
+    if server.exit_code:
+        sys.exit(server.exit_code)

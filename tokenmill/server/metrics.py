@@ -3,13 +3,14 @@ don't share counters). Gauges are read from the engine at scrape time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
-from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.engine.output import RequestOutput
+from tokenmill.engine.api import EngineStats, RequestOutput
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
             20.0, 40.0, 80.0)
@@ -32,8 +33,40 @@ class _EngineCollector:
             ("tokenmill_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.", s.prefix_hits),
             ("tokenmill_preemptions", "Requests preempted for lack of KV blocks (cumulative).",
              s.num_preemptions),
+            ("tokenmill_engine_restarts", "Times the engine was restarted after it died (cumulative).",
+             s.engine_restarts),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+
+
+class BulkHistogram:
+    """A histogram that takes many observations in one vectorized call: a request's
+    inter-token gaps are as many as the tokens the client asked for, and observing them
+    one by one on the event loop would be a loop whose length the client chooses."""
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float], registry: CollectorRegistry):
+        self.name, self.doc = name, doc
+        self.bounds = np.asarray(buckets, dtype=np.float64)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # the last: above every bound
+        self.sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: np.ndarray) -> None:
+        if values.size == 0:
+            return
+        idx = np.searchsorted(self.bounds, values, side="left")  # bucket i holds values <= bounds[i]
+        binned = np.bincount(idx, minlength=len(self.counts))
+        with self._lock:
+            self.counts += binned
+            self.sum += float(values.sum())
+
+    def collect(self) -> Iterable[HistogramMetricFamily]:
+        with self._lock:
+            cum = np.cumsum(self.counts)
+            total = self.sum
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cum)] + [("+Inf", int(cum[-1]))]
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=total)
 
 
 class Metrics:
@@ -41,8 +74,13 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY, registry=r)
-        self.itl = Histogram("tokenmill_inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=_LATENCY, registry=r)
+        self.itl = BulkHistogram("tokenmill_inter_token_latency_seconds", "Time between output tokens.",
+                                 _LATENCY, r)
+        self.loop_lag = Gauge("tokenmill_event_loop_lag_seconds",
+                              "How late the server's event loop ran a timer, at the last sample.", registry=r)
+        self.loop_lag_max = Gauge("tokenmill_event_loop_lag_max_seconds",
+                                  "The largest event loop lag sampled since the last scrape.", registry=r)
+        self._lag_max = 0.0
         self.e2e = Histogram("tokenmill_e2e_request_latency_seconds", "Arrival to finish.",
                              buckets=_LATENCY, registry=r)
         self.queue = Histogram("tokenmill_request_queue_time_seconds", "Arrival to first scheduled.",
@@ -77,8 +115,8 @@ class Metrics:
                     self.queue.observe(t.first_scheduled - t.arrival)
             if t.finished is not None:
                 self.e2e.observe(t.finished - t.arrival)
-            for a, b in zip(t.tokens, t.tokens[1:]):
-                self.itl.observe(b - a)
+            if len(t.tokens) > 1:
+                self.itl.observe_many(np.diff(np.asarray(t.tokens, dtype=np.float64)))
         if out.index == 0:
             self.prompt_len.observe(out.num_prompt_tokens)
             self.prompt_tokens.inc(out.num_prompt_tokens)
@@ -87,5 +125,12 @@ class Metrics:
         self.generation_tokens.inc(out.num_output_tokens)
         self.requests.labels(finish_reason=out.finish_reason or "unknown").inc()
 
+    def observe_loop_lag(self, lag_s: float) -> None:
+        self.loop_lag.set(lag_s)
+        self._lag_max = max(self._lag_max, lag_s)
+        self.loop_lag_max.set(self._lag_max)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        self._lag_max = 0.0
+        return text

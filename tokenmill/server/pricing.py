@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.cost import Cost, Ledger, RateCard, price
-from tokenmill.engine.request import Priority
+from tokenmill.engine.api import Priority
 from tokenmill.server.metrics import Metrics
 
 

@@ -1,7 +1,8 @@
 """OpenAI request bodies as pydantic models, and their translation to SamplingParams.
 
-Types are checked here (a wrong type is a 400 naming the field); value ranges are
-checked once, by SamplingParams, so the engine and the HTTP API agree on them.
+Types are checked here (a wrong type is a 400 naming the field); value ranges and
+every other bound are checked once, by the engine's RequestLimits, so the engine and
+the HTTP API agree on them.
 Unknown fields are ignored, as OpenAI-compatible servers commonly do, so newer SDKs
 keep working.
 """
@@ -12,7 +13,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
+from tokenmill.engine.api import InvalidParameter, SamplingParams
 
 
 class _Body(BaseModel):
@@ -78,6 +79,18 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     priority: Literal["interactive", "batch"] | None = None
+    logit_bias: dict[StrictStr, float] | None = None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        out: dict[int, float] = {}
+        for k, v in self.logit_bias.items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {k!r}") from None
+        return out
 
     def common_params(self) -> dict[str, Any]:
         return dict(
@@ -96,6 +109,7 @@ class _SamplingFields(_Body):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(),
         )
 
 
@@ -115,13 +129,12 @@ class ChatCompletionRequest(_SamplingFields):
             logprobs = self.top_logprobs or 0
         elif self.top_logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
-        renames = {"logprobs": "top_logprobs",
-                   "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
-        try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.common_params())
-        except InvalidParameter as exc:  # name the field as the client spelled it
-            param = renames.get(exc.param, exc.param)
-            raise InvalidParameter(param, str(exc).replace(exc.param, param, 1)) from None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.common_params())
+
+    def param_renames(self) -> dict[str, str]:
+        """SamplingParams' names for the fields this body spells differently."""
+        return {"logprobs": "top_logprobs",
+                "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
 
 
 class CompletionRequest(_SamplingFields):
@@ -130,8 +143,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
+    best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParameter("best_of", "best_of is supported only equal to n (no server-side ranking)")
         return SamplingParams(
             max_tokens=self.max_tokens, logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if (self.echo and self.logprobs is not None) else None,

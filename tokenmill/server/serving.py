@@ -18,11 +18,8 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
-from tokenmill.engine.output import RequestOutput, TokenLogprob
-from tokenmill.engine.request import Priority
-from tokenmill.engine.sampling_params import InvalidParameter, SamplingParams
-from tokenmill.engine.scheduler import AdmissionError
+from tokenmill.engine.api import (AdmissionError, EngineClient, EngineDeadError, InvalidParameter, Priority,
+                                  RequestOutput, SamplingParams)
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import Metrics
@@ -52,17 +49,6 @@ class RequestContext:
             f(self.usage)
 
 
-@dataclass
-class Choice:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_output_tokens: int = 0
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -72,11 +58,12 @@ def sse(obj: Any) -> str:
 
 
 class BaseServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
 
     # -- request side -------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -84,36 +71,38 @@ class BaseServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    @staticmethod
-    def make_params(build: Callable[[], SamplingParams]) -> SamplingParams:
-        try:
-            return build()
-        except InvalidParameter as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
+    async def encode(self, text: str, **kwargs) -> list[int]:
+        """Tokenize off the event loop: a long prompt takes a while, and other streams and
+        /health must not wait for it."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, **kwargs)
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams, param: str) -> None:
+    def prepare(self, ctx: RequestContext, prompts: list[list[int]], params: SamplingParams,
+                renames: dict[str, str] | None = None) -> SamplingParams:
+        """Every bound checked once (the engine's RequestLimits: parameters, token ids,
+        context window), then the gate's caps and token reservations. Returns the params
+        to run (max_tokens resolved, perhaps capped)."""
         try:
-            self.engine.check_request(num_prompt_tokens, params)
+            params = self.engine.check(prompts, params)
         except InvalidParameter as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
+            param = (renames or {}).get(exc.param, exc.param)  # name it as the client spelled it
+            raise APIError(400, str(exc).replace(exc.param, param, 1), param=param) from None
         except AdmissionError as exc:
-            raise APIError(400, str(exc), param=exc.param or param, code="context_length_exceeded") from None
-
-    def admit_tokens(self, ctx: RequestContext, prompt_lens: list[int], params: SamplingParams,
-                     param: str) -> SamplingParams:
-        """Context-window checks, then the gate's caps and token reservations."""
-        for n in prompt_lens:
-            self.check_fits(n, params, param)
+            raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
+        num_prompt = sum(len(ids) for ids in prompts)
         if ctx.gate is not None:
-            room = self.engine.max_model_len - max(prompt_lens)
-            params = ctx.gate.admit_tokens(ctx, sum(prompt_lens), params, room)
-        ctx.usage = self.usage(sum(prompt_lens), 0, 0)
+            params = ctx.gate.admit_tokens(ctx, num_prompt, params)
+        ctx.usage = self.usage(num_prompt, 0, 0)
         return params
 
     def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: SamplingParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(sub_id, ids, params, priority=ctx.priority, cache_salt=cache_salt,
-                                    tenant=ctx.tenant, deadline=ctx.deadline)
+        try:
+            return self.engine.generate(sub_id, ids, params, priority=ctx.priority, cache_salt=cache_salt,
+                                        tenant=ctx.tenant, deadline=ctx.deadline)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
 
     @staticmethod
     def check_deadline(body: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +133,10 @@ class BaseServing:
         return usage
 
     def token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
 
     def token_bytes(self, token_id: int) -> list[int]:
         return list(self.tokenizer.token_bytes(token_id))
@@ -224,7 +216,9 @@ async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     except APIError as exc:
         yield exc.sse()
     except EngineDeadError as exc:
-        yield APIError(503, str(exc)).sse()
+        yield APIError(503, str(exc), code="engine_unavailable").sse()
+    except InvalidParameter as exc:
+        yield APIError(400, str(exc), param=exc.param).sse()
     yield "data: [DONE]\n\n"
 
 

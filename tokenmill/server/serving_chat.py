@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -9,24 +10,28 @@ from fastapi import Request
 from jinja2 import TemplateError
 from starlette.responses import Response
 
-from tokenmill.engine.output import TokenLogprob
+from tokenmill.engine.api import Choice, TokenLogprob
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.serving import (BaseServing, Choice, RequestContext, json_response, now,
+from tokenmill.server.serving import (BaseServing, RequestContext, json_response, now,
                                       run_until_disconnected, sse, sse_with_errors, streaming_response)
 
 
 class ServingChat(BaseServing):
     async def create(self, body: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         self.check_model(body.model)
-        params = self.make_params(body.sampling_params)
+        bounds = self.engine.bounds
+        if len(body.messages) > bounds.max_messages:
+            raise APIError(400, f"at most {bounds.max_messages} messages per request, got {len(body.messages)}",
+                           param="messages")
         try:
             messages = [m.as_template_dict() for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools=body.tools)
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
+                                           body.add_generation_prompt, tools=body.tools)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        params = self.admit_tokens(ctx, [len(ids)], params, "messages")
+        ids = await self.encode(text, add_special_tokens=False)
+        params = self.prepare(ctx, [ids], body.sampling_params(), body.param_renames())
         stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -34,35 +39,32 @@ class ServingChat(BaseServing):
         return json_response(self.check_deadline(
             await run_until_disconnected(raw, self._full(body, ctx, stream, len(ids)))))
 
-    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
-        return {"content": [
+    def _logprob_entries(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+        return [
             {"token": self.token_str(lp.token_id), "logprob": lp.logprob, "bytes": self.token_bytes(lp.token_id),
              "top_logprobs": [{"token": self.token_str(t), "logprob": v, "bytes": self.token_bytes(t)}
                               for t, v in lp.top]}
-            for lp in lps]}
+            for lp in lps]
 
     async def _full(self, body: ChatCompletionRequest, ctx: RequestContext, stream, num_prompt: int) -> dict:
         choices = {i: Choice(i) for i in range(body.n)}
+        # rendered as they arrive: one step's worth at a time, not all at the end
+        rendered: dict[int, list[dict[str, Any]]] = {i: [] for i in range(body.n)}
         cached = 0
         async for out in stream:
             self.record(out)
-            c = choices[out.index]
-            c.text += out.text
-            c.token_ids += out.new_token_ids
-            if out.logprobs:
-                c.logprobs += out.logprobs
-            c.num_output_tokens = out.num_output_tokens
+            choices[out.index].add(out)
+            if body.logprobs and out.logprobs:
+                rendered[out.index] += self._logprob_entries(out.logprobs)
             if out.index == 0:
                 cached = out.num_cached_tokens
-            if out.finished:
-                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
             self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
         usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
         return {
             "id": ctx.request_id, "object": "chat.completion", "created": now(), "model": self.model_name,
             "choices": [{
                 "index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.logprobs) if body.logprobs else None,
+                "logprobs": {"content": rendered[c.index]} if body.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             } for c in choices.values()],
             "usage": self.finish_usage(ctx, usage),
@@ -91,7 +93,7 @@ class ServingChat(BaseServing):
             if out.index == 0:
                 cached = out.num_cached_tokens
             self.progress(ctx, num_prompt, cached, sum(outputs))
-            lps = self._logprobs(out.logprobs) if (body.logprobs and out.logprobs) else None
+            lps = {"content": self._logprob_entries(out.logprobs)} if (body.logprobs and out.logprobs) else None
             if out.text or lps or out.finished:
                 delta = {"content": out.text} if out.text else {}
                 yield chunk(out.index, delta, out.finish_reason if out.finished else None, lps)

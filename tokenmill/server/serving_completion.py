@@ -2,50 +2,46 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from starlette.responses import Response
 
-from tokenmill.engine.output import RequestOutput, TokenLogprob
+from tokenmill.engine.api import Choice, RequestOutput, TokenLogprob
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.serving import (BaseServing, Choice, RequestContext, json_response, merge_streams, now,
+from tokenmill.server.serving import (BaseServing, RequestContext, json_response, merge_streams, now,
                                       run_until_disconnected, sse, sse_with_errors, streaming_response)
 
 
 class ServingCompletion(BaseServing):
-    def _prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
-        """(text, ids) for each prompt the body holds."""
+    async def _prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
+        """(text, ids) for each prompt the body holds; the text of a token-id prompt only
+        when echo needs it (and only once its ids are known to be in the vocabulary)."""
         if isinstance(prompt, str):
-            return [(prompt, self.tokenizer.encode(prompt))]
+            prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        limit = self.engine.bounds.max_prompts
+        if len(prompt) > limit:
+            raise APIError(400, f"at most {limit} prompts per request, got {len(prompt)}", param="prompt")
         if isinstance(prompt[0], str):
-            return [(p, self.tokenizer.encode(p)) for p in prompt]
+            return [(p, await self.encode(p)) for p in prompt]
         if isinstance(prompt[0], int):
             prompt = [prompt]
-        out = []
-        for ids in prompt:
-            if not ids:
-                raise APIError(400, "a token-id prompt must not be empty", param="prompt")
-            out.append((self.tokenizer.decode(ids, skip_special_tokens=False), list(ids)))
-        return out
+        return [("", list(ids)) for ids in prompt]
 
     async def create(self, body: CompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
-        params = self.make_params(body.sampling_params)
-        prompts = self._prompts(body.prompt)
-        vocab = self.engine.model_config.vocab_size
-        for _, ids in prompts:
-            if not ids:
-                raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        params = self.admit_tokens(ctx, [len(ids) for _, ids in prompts], params, "prompt")
+        prompts = await self._prompts(body.prompt)
+        params = self.prepare(ctx, [ids for _, ids in prompts], body.sampling_params())
+        if body.echo and not isinstance(body.prompt, str) and not isinstance(body.prompt[0], str):
+            prompts = [(await asyncio.to_thread(self.tokenizer.decode, ids, skip_special_tokens=False), ids)
+                       for _, ids in prompts]
         streams = [self.generate(ctx, ctx.request_id if len(prompts) == 1 else f"{ctx.request_id}-{p}", ids,
                                  params, body.cache_salt)
                    for p, (_, ids) in enumerate(prompts)]
@@ -79,7 +75,7 @@ class ServingCompletion(BaseServing):
         choices = {p * n + i: Choice(p * n + i) for p in range(len(prompts)) for i in range(n)}
         lps: dict[int, list] = {k: [] for k in choices}
         cached_by_prompt: dict[int, int] = {}  # each update repeats its prompt's figure
-        cached = 0
+        cached = completion = 0  # running totals: no loop over the choices per output
         num_prompt = sum(len(ids) for _, ids in prompts)
         async for p, out in merge_streams(streams):
             self.record(out)
@@ -88,23 +84,23 @@ class ServingCompletion(BaseServing):
                 c.text = prompts[p][0]
                 if body.logprobs is not None:
                     lps[c.index] = self._echo_logprobs(out, prompts[p][1])
-            c.text += out.text
-            c.token_ids += out.new_token_ids
+            completion += out.num_output_tokens - c.num_output_tokens
+            c.add(out)
             if out.logprobs:
                 lps[c.index] += out.logprobs
-            c.num_output_tokens = out.num_output_tokens
             if out.index == 0:
+                cached += out.num_cached_tokens - cached_by_prompt.get(p, 0)
                 cached_by_prompt[p] = out.num_cached_tokens
-            cached = sum(cached_by_prompt.values())
-            if out.finished:
-                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-            self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
-        usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
+            self.progress(ctx, num_prompt, cached, completion)
+        usage = self.usage(num_prompt, cached, completion)
+        rendered = {}
+        if body.logprobs is not None:  # a whole prompt's worth with echo: off the event loop
+            rendered = await asyncio.to_thread(lambda: {k: self._logprobs(v, 0) for k, v in lps.items()})
         return {
             "id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.model_name,
             "choices": [{
                 "index": c.index, "text": c.text,
-                "logprobs": self._logprobs(lps[c.index], 0) if body.logprobs is not None else None,
+                "logprobs": rendered.get(c.index),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             } for c in choices.values()],
             "usage": self.finish_usage(ctx, usage),
@@ -122,7 +118,7 @@ class ServingCompletion(BaseServing):
         offsets: dict[int, int] = {}
         outputs: dict[int, int] = {}
         cached_by_prompt: dict[int, int] = {}  # each update repeats its prompt's figure
-        cached = 0
+        cached = completion = 0  # running totals: no loop over the choices per output
         async for p, out in merge_streams(streams):
             self.record(out)
             index = p * n + out.index
@@ -134,19 +130,23 @@ class ServingCompletion(BaseServing):
                     text = prompts[p][0] + text
                     if body.logprobs is not None:
                         lps = self._echo_logprobs(out, prompts[p][1]) + lps
+            completion += out.num_output_tokens - outputs.get(index, 0)
             outputs[index] = out.num_output_tokens
             if out.index == 0:
+                cached += out.num_cached_tokens - cached_by_prompt.get(p, 0)
                 cached_by_prompt[p] = out.num_cached_tokens
-            cached = sum(cached_by_prompt.values())
-            self.progress(ctx, num_prompt, cached, sum(outputs.values()))
+            self.progress(ctx, num_prompt, cached, completion)
             if text or out.finished or lps:
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = self._logprobs(lps, offsets.get(index, 0))
+                    if len(lps) > 64:  # an echoed prompt's worth: off the event loop
+                        logprobs = await asyncio.to_thread(self._logprobs, lps, offsets.get(index, 0))
+                    else:
+                        logprobs = self._logprobs(lps, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(text)
                 yield sse({**base, "choices": [{
                     "index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": out.finish_reason if out.finished else None}]})
-        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs.values())))
+        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, completion))
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage})
