@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -62,8 +63,12 @@ class ServerState:
         self.on_fatal = None  # set by the launcher: exit non-zero (the engine cannot recover)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised while a body without a declared length is read; an HTTP exception so that
+    the body parser passes it on (413) instead of calling the body malformed."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body exceeds {limit} bytes")
 
 
 LAG_PROBE_S = 0.05  # how often the event loop's lag is sampled
@@ -145,7 +150,7 @@ class Frontdoor:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise _BodyTooLarge()
+                    raise _BodyTooLarge(self.max_body_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
