@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.api import TokenLogprob
-from tokenmill.engine.sampler import SamplingBatch, sample
+from tokenmill.engine.sampler import LogitBias, SamplingBatch, sample
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
 from tokenmill.model.kernels import native_ops_for
@@ -188,6 +188,8 @@ class ModelRunner:
         banned = [(j, s.banned_token_ids) for j, s in enumerate(rows) if s.banned_token_ids]
         if banned:
             b.banned = banned
+        if any(p.logit_bias for p in params):
+            b.logit_bias = LogitBias.from_maps([p.logit_bias for p in params])
         want = [p.logprobs for p in params if p.logprobs is not None]
         if want:
             b.num_logprobs = max(want)

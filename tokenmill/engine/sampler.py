@@ -1,17 +1,44 @@
 """Token selection over a batch of logits, vectorized across rows.
 
-Fixed order: stop-token masking (min_tokens) -> penalties -> temperature (fp32) ->
-top-k / top-p / min-p -> softmax -> sample. Greedy rows are taken by argmax and
-merged with `torch.where`; a batch that is all greedy skips the rest. Seeded rows
-draw from their own generator, so a seeded request's tokens do not depend on what
-else is in the batch. Logprobs are of the raw model distribution.
+Fixed order: stop-token masking (min_tokens) -> logit_bias -> penalties ->
+temperature (fp32) -> top-k / top-p / min-p -> softmax -> sample. Greedy rows are
+taken by argmax (after masking, bias and penalties) and merged with `torch.where`; a
+batch that is all greedy skips the rest. Seeded rows draw from their own generator,
+so a seeded request's tokens do not depend on what else is in the batch. Logprobs
+(the sampled token's and the top ones) are of the raw model distribution: before
+masking, bias, penalties, temperature and truncation.
+
+Top-k keeps every token tied with the k-th largest logit (so ties can keep more than
+k); top-p keeps the smallest set of most likely tokens whose mass reaches p; min-p
+keeps tokens whose probability is at least min_p times the largest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
+
+
+@dataclass
+class LogitBias:
+    """Every row's logit_bias as flat, parallel [N] tensors: logits[rows, token_ids] +=
+    values. Each (row, token id) pair occurs at most once."""
+    rows: torch.Tensor  # int64
+    token_ids: torch.Tensor  # int64
+    values: torch.Tensor  # fp32
+
+    @classmethod
+    def from_maps(cls, maps: list[dict[int, float] | None]) -> LogitBias:
+        """One map (token id -> bias) or None per row of the batch."""
+        sizes = np.fromiter((len(m) if m else 0 for m in maps), dtype=np.int64, count=len(maps))
+        n = int(sizes.sum())
+        rows = np.repeat(np.arange(len(maps), dtype=np.int64), sizes)
+        ids = np.fromiter(chain.from_iterable(m for m in maps if m), dtype=np.int64, count=n)
+        values = np.fromiter(chain.from_iterable(m.values() for m in maps if m), dtype=np.float32, count=n)
+        return cls(torch.from_numpy(rows), torch.from_numpy(ids), torch.from_numpy(values))
 
 
 @dataclass
@@ -30,6 +57,7 @@ class SamplingBatch:
     prompt_ids: list[list[int]] | None = None
     # rows that may not stop yet: (row, stop token ids)
     banned: list[tuple[int, list[int]]] | None = None
+    logit_bias: LogitBias | None = None  # None when no row has one
     num_logprobs: int | None = None  # max top-k over rows that want logprobs
 
 
@@ -70,7 +98,7 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     neg_inf = torch.tensor(float("-inf"))
-    if b.top_k is not None:
+    if b.top_k is not None and bool((b.top_k > 0).any()):
         k = b.top_k
         max_k = int(k.max())
         kth = torch.topk(logits, max_k, dim=-1).values  # [B, max_k]
@@ -82,8 +110,9 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Te
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         cum = probs.cumsum(-1)
-        # drop a token when the mass before it already reaches top_p (the top one always stays)
-        drop = (cum - probs) >= b.top_p.unsqueeze(1)
+        # drop a token when the mass before it already reaches top_p (the top one always stays);
+        # never in rows with top_p = 1, where the rounded sum reaches 1 before the tail does
+        drop = ((cum - probs) >= b.top_p.unsqueeze(1)) & (b.top_p < 1.0).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if b.min_p is not None:
@@ -103,16 +132,20 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None = None) -> SamplerOutput:
     """logits [B, V] float32 -> one token per row (and logprobs when asked). argmax: the
-    rows' argmax if the caller has it already (used unless masking or penalties change
-    the logits first)."""
+    rows' argmax if the caller has it already (used unless masking, bias or penalties
+    change the logits first)."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs is not None else None
-    if b.banned:
+    if b.banned or b.logit_bias is not None:
         logits = logits.clone()
+    if b.banned:
         for row, ids in b.banned:
             logits[row, ids] = float("-inf")
+    if b.logit_bias is not None:
+        lb = b.logit_bias
+        logits.index_put_((lb.rows, lb.token_ids), lb.values, accumulate=True)
     if b.output_ids is not None:
         logits = _apply_penalties(logits, b)
-    unchanged = not b.banned and b.output_ids is None
+    unchanged = not b.banned and b.logit_bias is None and b.output_ids is None
     greedy_tokens = argmax if argmax is not None and unchanged else _argmax(logits)
     if b.all_greedy:
         tokens = greedy_tokens
