@@ -98,7 +98,9 @@ class DecodeModel {
     TORCH_CHECK(mats.size() % 4 == 0 && !mats.empty() && precise.size() == mats.size(), "4 matmuls a layer");
     L_ = static_cast<int64_t>(mats.size() / 4);
     TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L_ + 1), "2 norms a layer and a final one");
+#if defined(__AVX512F__)  // (without it the step is unavailable and tm_decode is not built)
     TORCH_CHECK(H % Hkv == 0 && H / Hkv <= tm_decode::kMaxGroup, "query heads per kv head");
+#endif
     TORCH_CHECK(cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat && cos_.dim() == 2 &&
                     cos_.size(1) == head_dim / 2 && sin_.sizes() == cos_.sizes(),
                 "cos, sin: float32 [positions, head_dim / 2]");
