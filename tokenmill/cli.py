@@ -260,6 +260,16 @@ def chat(
     asyncio.run(run())
 
 
+@app.command()
+def doctor(
+    no_build: bool = typer.Option(False, "--no-build", help="Only report; do not build missing kernels."),
+) -> None:
+    """Check this machine: CPU features, active paths, and the native kernels (built if missing)."""
+    from tokenmill.doctor import run_doctor
+
+    raise typer.Exit(code=run_doctor(build=not no_build))
+
+
 from tokenmill.cost.cli import cost_app  # noqa: E402  (light: typer and the stdlib only)
 
 from tokenmill.bench.cli import bench  # noqa: E402  (HTTP only: no torch import)
