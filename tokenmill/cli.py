@@ -16,11 +16,29 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="tokenmill: a fast, metered, protected OpenAI-compatible LLM server.")
 
 MODEL_HELP = "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)."
-DTYPE_HELP = "Compute dtype: float32 or bfloat16 (quantized weights always compute in bfloat16)."
+DTYPE_HELP = ("Compute dtype: float32 or bfloat16 (default). --dtype float32 alone is the exact mode "
+              "(no quantization); quantized weights compute in bfloat16.")
 QUANT_HELP = ("Weight-only quantization: none, int8 or int4. The default, int4 (bfloat16 compute), is the "
-              "fastest setting within 1% perplexity of float32 (see benchmarks/quality.py).")
+              "fastest setting within 1% perplexity of float32 (see benchmarks/quality.py); with --dtype float32 "
+              "the default is none.")
 DEFAULT_DTYPE = "bfloat16"
 DEFAULT_QUANT = "int4"
+
+
+def resolve_precision(dtype: Optional[str], quantization: Optional[str]) -> tuple[str, str]:
+    """The (dtype, quantization) the flags ask for: a flag the user set does what it says,
+    or the command refuses it. Quantized weights compute in bfloat16, so float32 means
+    no quantization unless one is asked for (which is refused)."""
+    if dtype is not None and dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if quantization is not None and quantization not in ("none", "int8", "int4"):
+        _fail(f"--quantization must be none, int8 or int4, got {quantization!r}")
+    if dtype == "float32":
+        if quantization not in (None, "none"):
+            _fail(f"--quantization {quantization} computes in bfloat16, so it cannot run with --dtype float32; "
+                  "drop one of the two")
+        return "float32", "none"
+    return dtype or DEFAULT_DTYPE, quantization or DEFAULT_QUANT
 
 
 def _fail(message: str) -> None:
@@ -46,9 +64,10 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
     )
 
 
-def _cli_engine(model: Optional[str], dtype: str, quantization: str):
+def _cli_engine(model: Optional[str], dtype: Optional[str], quantization: Optional[str]):
     """An engine for the terminal commands: metadata checked now (one-line errors), weights
     loaded on the engine thread when it starts."""
+    dtype, quantization = resolve_precision(dtype, quantization)
     from tokenmill.engine.api import make_engine
     from tokenmill.model.config import ModelLoadError
 
@@ -71,8 +90,8 @@ async def _start(engine) -> None:
 @app.command()
 def serve(
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-    dtype: str = typer.Option(DEFAULT_DTYPE, "--dtype", help=DTYPE_HELP),
-    quantization: str = typer.Option(DEFAULT_QUANT, "--quantization", help=QUANT_HELP),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help=QUANT_HELP),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
@@ -149,6 +168,7 @@ def serve(
                            admission=AdmissionConfig(max_waiting_interactive=max_waiting,
                                                      max_waiting_batch=max_waiting_batch))
     try:
+        dtype, quantization = resolve_precision(dtype, quantization)
         config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                                max_model_len, block_size, prefix_caching, num_threads, decode_steps,
                                kv_cache_dtype, max_n, max_body_mb)
@@ -177,8 +197,8 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     chat: bool = typer.Option(False, "--chat", help="Wrap PROMPT as one user message via the chat template."),
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-    dtype: str = typer.Option(DEFAULT_DTYPE, "--dtype", help=DTYPE_HELP),
-    quantization: str = typer.Option(DEFAULT_QUANT, "--quantization", help=QUANT_HELP),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help=QUANT_HELP),
 ) -> None:
     """Generate a continuation of PROMPT and print only the generated text."""
     import asyncio
@@ -216,8 +236,8 @@ def generate(
 @app.command()
 def chat(
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-    dtype: str = typer.Option(DEFAULT_DTYPE, "--dtype", help=DTYPE_HELP),
-    quantization: str = typer.Option(DEFAULT_QUANT, "--quantization", help=QUANT_HELP),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help=QUANT_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="A system message."),
     max_tokens: int = typer.Option(512, "--max-tokens"),
     temperature: float = typer.Option(0.7, "--temperature"),
