@@ -15,17 +15,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.engine.api import EngineClient
+from tokenmill.engine.api import EngineClient, RequestBounds
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
 from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, check_body_shape
 from tokenmill.server.serving import RequestContext, new_id
 from tokenmill.server.serving_chat import ServingChat
 from tokenmill.server.serving_completion import ServingCompletion
@@ -190,6 +191,25 @@ def _timeout_header(raw: Request) -> float | None:
     return t
 
 
+def bounded_route(bounds: RequestBounds) -> type[APIRoute]:
+    """A route class that checks a POST body's bounded lists before FastAPI parses it
+    (protocol.check_body_shape): a million stop strings are refused in milliseconds,
+    not after a second of building Python objects on the event loop."""
+
+    class BoundedRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def route(request: Request) -> Response:
+                if request.method == "POST":
+                    check_body_shape(await request.body(), bounds)  # the body is kept for the parser
+                return await handler(request)
+
+            return route
+
+    return BoundedRoute
+
+
 def build_app(engine: EngineClient, config: ServerConfig | None = None,
               policy: ServicePolicy | None = None) -> FastAPI:
     config = config or ServerConfig()
@@ -226,6 +246,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
             await engine.stop()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app.router.route_class = bounded_route(engine.bounds)
     app.state.server = state
     app.state.engine = engine
     app.state.metrics = metrics

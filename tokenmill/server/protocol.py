@@ -9,11 +9,13 @@ keep working.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from tokenmill.engine.api import InvalidParameter, SamplingParams
+from tokenmill.engine.api import InvalidParameter, RequestBounds, SamplingParams
 
 
 class _Body(BaseModel):
@@ -152,3 +154,69 @@ class CompletionRequest(_SamplingFields):
             max_tokens=self.max_tokens, logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if (self.echo and self.logprobs is not None) else None,
             **self.common_params())
+
+
+# -- the body's shape, before it is parsed -----------------------------------------------
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+def _array_limits(bounds: RequestBounds) -> dict[str, int]:
+    return {"stop": bounds.max_stop, "stop_token_ids": bounds.max_stop_token_ids,
+            "logit_bias": bounds.max_logit_bias, "messages": bounds.max_messages,
+            "prompt": bounds.max_prompts}
+
+
+def check_body_shape(raw: bytes, bounds: RequestBounds) -> None:
+    """Refuse a body whose bounded lists (stop, stop_token_ids, logit_bias, messages,
+    prompt) hold more entries than any request may, before the whole body is parsed:
+    parsing a million stop strings into Python objects takes longer than refusing them
+    should. Walks only the top-level object, counting entries of the bounded fields and
+    stopping at the first one too many; a malformed body is left to the full parser."""
+    limits = _array_limits(bounds)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    n = len(text)
+
+    def skip_ws(j: int) -> int:
+        return _WS.match(text, j).end()
+
+    i = skip_ws(0)
+    if i >= n or text[i] != "{":
+        return
+    i = skip_ws(i + 1)
+    while i < n and text[i] == '"':
+        try:
+            key, i = json.decoder.scanstring(text, i + 1)
+            i = skip_ws(i)
+            if text[i] != ":":
+                return
+            i = skip_ws(i + 1)
+            limit = limits.get(key)
+            if key == "prompt" and i < n and text[i] == "[" and text[skip_ws(i + 1)] in "-0123456789":
+                limit = None  # one prompt's token ids: parsed at C speed, bounded by the context after
+            if limit is not None and i < n and text[i] in "[{":
+                close = "]" if text[i] == "[" else "}"
+                i = skip_ws(i + 1)
+                count = 0
+                while i < n and text[i] != close:
+                    count += 1
+                    if count > limit:
+                        raise InvalidParameter(key, f"{key} may have at most {limit} entries")
+                    if close == "}":  # logit_bias: "token": value
+                        _, i = json.decoder.scanstring(text, i + 1)
+                        i = skip_ws(skip_ws(i) + 1)
+                    _, i = _DECODER.raw_decode(text, i)
+                    i = skip_ws(i)
+                    if i < n and text[i] == ",":
+                        i = skip_ws(i + 1)
+                i += 1
+            else:
+                _, i = _DECODER.raw_decode(text, i)
+            i = skip_ws(i)
+            if i < n and text[i] == ",":
+                i = skip_ws(i + 1)
+        except (json.JSONDecodeError, IndexError):  # malformed: the full parser says how
+            return
