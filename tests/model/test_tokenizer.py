@@ -86,3 +86,24 @@ def test_detokenizer_holds_half_characters(smol):
     # cut short: the partial character is not emitted mid-stream but not lost at the end
     deltas, tail = _stream(tok, ids[:2])
     assert deltas == ["", ""] and tail == tok.decode(ids[:2])
+
+
+def test_our_gguf_reader_reads_what_gguf_py_reads(embedded_path):
+    """tokenmill.model.gguf_reader (fast) against gguf-py's GGUFReader (the reference)."""
+    import gguf
+    import numpy as np
+
+    from tokenmill.model.gguf_reader import GGUFReader
+
+    ours, ref = GGUFReader(embedded_path), gguf.GGUFReader(embedded_path, "r")
+    meta = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert set(ours.metadata) == set(meta)
+    for k, v in meta.items():
+        assert ours.metadata[k] == v and type(ours.metadata[k]) is type(v), k
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.shape, a.tensor_type, a.data_offset, a.n_bytes) == (
+            tuple(int(x) for x in b.shape), b.tensor_type, b.data_offset, b.n_bytes), a.name
+        ref_data = np.asarray(b.data)
+        assert a.data.dtype == ref_data.dtype and a.data.shape == ref_data.shape, a.name
+        assert np.array_equal(a.data, ref_data), a.name

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
+from tokenmill.model.gguf_reader import GGUFReader
 
 try:
     import gguf
@@ -83,17 +84,12 @@ class GGUFFile:
         if os.path.isdir(self.path):
             raise ModelLoadError(f"expected a .gguf file, got a directory: {self.path}")
         try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as exc:  # gguf raises ValueError, struct.error, IndexError... on bad files
+            self.reader = GGUFReader(self.path)
+        except Exception as exc:  # a bad file: ValueError, struct.error, UnicodeDecodeError...
             raise ModelLoadError(
                 f"{self.path} is not a readable GGUF file (corrupt or truncated: {type(exc).__name__}: {exc})"
             ) from None
-        self.metadata: dict[str, Any] = {}
-        for key, fld in self.reader.fields.items():
-            try:
-                self.metadata[key] = fld.contents()
-            except Exception:
-                continue
+        self.metadata: dict[str, Any] = self.reader.metadata
         self.tensors = {t.name: t for t in self.reader.tensors}
         self._check_tensor_extents()
 
