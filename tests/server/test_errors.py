@@ -92,3 +92,21 @@ def test_server_survives_bad_requests(server):
         _post(server, "/v1/chat/completions", content=b"\xff\xfe garbage", headers={"content-type": "application/json"})
     r = _post(server, "/v1/chat/completions", OK_CHAT)
     assert r.status_code == 200 and httpx.get(server.url + "/ready").status_code == 200
+
+
+def test_lone_surrogates_are_400(server):
+    # JSON may escape a lone surrogate, which is not Unicode text: the tokenizer refused it
+    # with a TypeError, a 500, until the fuzz run (test_fuzz.py) found it
+    for path, body, param in [
+        ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800 hi", "max_tokens": 1}', "prompt"),
+        ("/v1/completions", b'{"model": "%s", "prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt"),
+        ("/v1/chat/completions",
+         b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 1}', "messages"),
+        ("/v1/chat/completions",
+         b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}], '
+         b'"max_tokens": 1}',
+         "messages"),
+    ]:
+        _err(_post(server, path, content=body % MODEL.encode(), headers={"content-type": "application/json"}),
+             400, param)
+    assert _post(server, "/v1/chat/completions", OK_CHAT).status_code == 200

@@ -71,10 +71,19 @@ class BaseServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def encode(self, text: str, **kwargs) -> list[int]:
+    async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
-        /health must not wait for it."""
-        return await asyncio.to_thread(self.tokenizer.encode, text, **kwargs)
+        /health must not wait for it. JSON may carry lone surrogates (\\ud800), which are
+        not Unicode text: those are the client's error (`param`), not the tokenizer's."""
+        def run() -> list[int]:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"{param} is not valid Unicode text (it holds a lone surrogate)",
+                               param=param) from None
+            return self.tokenizer.encode(text, **kwargs)
+
+        return await asyncio.to_thread(run)
 
     def prepare(self, ctx: RequestContext, prompts: list[list[int]], params: SamplingParams,
                 renames: dict[str, str] | None = None) -> SamplingParams:

@@ -30,7 +30,7 @@ class ServingChat(BaseServing):
                                            body.add_generation_prompt, tools=body.tools)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
-        ids = await self.encode(text, add_special_tokens=False)
+        ids = await self.encode(text, "messages", add_special_tokens=False)
         params = self.prepare(ctx, [ids], body.sampling_params(), body.param_renames())
         stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
         if body.stream:

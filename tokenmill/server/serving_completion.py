@@ -28,7 +28,7 @@ class ServingCompletion(BaseServing):
         if len(prompt) > limit:
             raise APIError(400, f"at most {limit} prompts per request, got {len(prompt)}", param="prompt")
         if isinstance(prompt[0], str):
-            return [(p, await self.encode(p)) for p in prompt]
+            return [(p, await self.encode(p, "prompt")) for p in prompt]
         if isinstance(prompt[0], int):
             prompt = [prompt]
         return [("", list(ids)) for ids in prompt]
