@@ -18,7 +18,7 @@ import enum
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig
 
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 __all__ = [
     "AdmissionError", "CacheConfig", "Choice", "EngineClient", "EngineConfig", "EngineDeadError",
     "EngineStats", "InvalidParameter", "ModelOptions", "Priority", "RequestBounds", "RequestLimits",
-    "RequestOutput", "RequestTimes", "SamplingParams", "SchedulerConfig", "TokenLogprob", "make_engine",
+    "RequestOutput", "RequestTimes", "SamplingParams", "SchedulerConfig", "StructuredOutput", "TokenLogprob",
+    "make_engine",
 ]
 
 
@@ -61,6 +62,18 @@ class Priority(enum.IntEnum):
 
 
 # -- request ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, which the engine compiles to a grammar
+    (tokenmill/engine/structured) and enforces token by token. `kind` and `value`:
+    json (a JSON schema, as a dict or a JSON string), json_object (None: any JSON
+    object), regex (a regular expression the whole output matches), choice (a list of
+    strings: the output is one of them), grammar (a Lark grammar)."""
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
+    kind: str
+    value: Any = None
+
+
 @dataclass
 class SamplingParams:
     """How one request wants its tokens chosen and when it wants to stop. Value ranges
@@ -85,6 +98,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured: StructuredOutput | None = None  # output constrained by a grammar (None: free text)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -218,6 +232,10 @@ class RequestLimits:
                       f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {t!r}")
                 check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                       and -100.0 <= v <= 100.0, "logit_bias", f"logit_bias values must be in [-100, 100], got {v!r}")
+        if p.structured is not None:
+            from tokenmill.engine.structured.grammar import validate  # llguidance, no torch
+
+            validate(p.structured)
 
 
 # -- outputs ----------------------------------------------------------------------------

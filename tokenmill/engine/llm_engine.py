@@ -24,6 +24,7 @@ from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.structured.matchers import GrammarMatchers
 from tokenmill.kv.cache import KVCache, default_cache_bytes
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.model.loader import LoadedModel
@@ -57,11 +58,13 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv_cache = KVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
                                 mcfg.head_dim, dtype, kv_dtype)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        self.limits = RequestLimits(max_len, self.scheduler.cache_tokens, mcfg.vocab_size, config.bounds)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention)
-        self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
+        self.grammar = GrammarMatchers(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.grammar)
+        self.limits = RequestLimits(max_len, self.scheduler.cache_tokens, mcfg.vocab_size, config.bounds)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention,
+                                  self.grammar)
+        self.outputs = OutputProcessor(self.tokenizer)
         self._groups: dict[str, list[str]] = {}  # user request id -> its samples' ids
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, user request id)
         self.prompt_tokens_computed = 0
@@ -99,6 +102,9 @@ class LLMEngine:
                     max_tokens=max_tokens)
             for i in range(params.n)
         ]
+        if params.structured is not None:  # raises InvalidParameter before anything is queued
+            for r in reqs:
+                self.grammar.add(r.request_id, params.structured)
         self.scheduler.add_requests(reqs)
         for r in reqs:
             self.outputs.add(r)

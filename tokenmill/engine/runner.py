@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.api import TokenLogprob
-from tokenmill.engine.sampler import LogitBias, SamplingBatch, sample
+from tokenmill.engine.sampler import LogitBias, SamplingBatch, TokenMask, sample
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
 from tokenmill.model.kernels import native_ops_for
@@ -35,8 +35,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, block_size: int, native_attention: bool = True):
+    def __init__(self, model, kv_cache, block_size: int, native_attention: bool = True, grammar=None):
         self.model = model
+        self.grammar = grammar  # structured.GrammarMatchers: masks of constrained rows
         self.kernel = native_ops_for(model.cfg.head_dim) if native_attention else None
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -190,6 +191,10 @@ class ModelRunner:
             b.banned = banned
         if any(p.logit_bias for p in params):
             b.logit_bias = LogitBias.from_maps([p.logit_bias for p in params])
+        constrained = [j for j, p in enumerate(params) if p.structured is not None]
+        if constrained and self.grammar is not None:
+            bits = self.grammar.fill_bitmask([rows[j].request_id for j in constrained])
+            b.token_mask = TokenMask.from_bitmask(constrained, bits, self.vocab_size)
         want = [p.logprobs for p in params if p.logprobs is not None]
         if want:
             b.num_logprobs = max(want)

@@ -1,12 +1,13 @@
 """Token selection over a batch of logits, vectorized across rows.
 
-Fixed order: stop-token masking (min_tokens) -> logit_bias -> penalties ->
+Fixed order: grammar masks (structured outputs) -> stop-token masking (min_tokens) -> logit_bias -> penalties ->
 temperature (fp32) -> top-k / top-p / min-p -> softmax -> sample. Greedy rows are
 taken by argmax (after masking, bias and penalties) and merged with `torch.where`; a
 batch that is all greedy skips the rest. Seeded rows draw from their own generator,
 so a seeded request's tokens do not depend on what else is in the batch. Logprobs
-(the sampled token's and the top ones) are of the raw model distribution: before
-masking, bias, penalties, temperature and truncation.
+(the sampled token's and the top ones) are of the model's distribution before stop
+masking, bias, penalties, temperature and truncation; for a row under a grammar, of
+that distribution restricted to the tokens the grammar allows (renormalized).
 
 Top-k keeps every token tied with the k-th largest logit (so ties can keep more than
 k); top-p keeps the smallest set of most likely tokens whose mass reaches p; min-p
@@ -42,6 +43,19 @@ class LogitBias:
 
 
 @dataclass
+class TokenMask:
+    """Grammar masks of some rows: only `allowed` tokens may be sampled in `rows`."""
+    rows: torch.Tensor  # [R] int64
+    allowed: torch.Tensor  # [R, V] bool
+
+    @classmethod
+    def from_bitmask(cls, rows: list[int], bitmask: np.ndarray, vocab_size: int) -> TokenMask:
+        """bitmask: [R, ceil(V / 32)] int32, token t allowed iff bit t % 32 of word t // 32."""
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        return cls(torch.tensor(rows, dtype=torch.int64), torch.from_numpy(bits).bool())
+
+
+@dataclass
 class SamplingBatch:
     temperature: torch.Tensor  # [B] fp32; 0 = greedy
     all_greedy: bool
@@ -58,6 +72,7 @@ class SamplingBatch:
     # rows that may not stop yet: (row, stop token ids)
     banned: list[tuple[int, list[int]]] | None = None
     logit_bias: LogitBias | None = None  # None when no row has one
+    token_mask: TokenMask | None = None  # None when no row is under a grammar
     num_logprobs: int | None = None  # max top-k over rows that want logprobs
 
 
@@ -134,6 +149,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None =
     """logits [B, V] float32 -> one token per row (and logprobs when asked). argmax: the
     rows' argmax if the caller has it already (used unless masking, bias or penalties
     change the logits first)."""
+    if b.token_mask is not None:
+        m = b.token_mask
+        logits = logits.clone()
+        logits[m.rows] = logits[m.rows].masked_fill(~m.allowed, float("-inf"))
     raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs is not None else None
     if b.banned or b.logit_bias is not None:
         logits = logits.clone()
@@ -145,7 +164,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None =
         logits.index_put_((lb.rows, lb.token_ids), lb.values, accumulate=True)
     if b.output_ids is not None:
         logits = _apply_penalties(logits, b)
-    unchanged = not b.banned and b.logit_bias is None and b.output_ids is None
+    unchanged = not b.banned and b.logit_bias is None and b.output_ids is None and b.token_mask is None
     greedy_tokens = argmax if argmax is not None and unchanged else _argmax(logits)
     if b.all_greedy:
         tokens = greedy_tokens

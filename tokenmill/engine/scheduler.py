@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.api import SamplingParams
@@ -45,6 +46,17 @@ class SchedulerOutput:
     num_steps: int = 1
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+
+
+class TokenConstraints(Protocol):
+    """What the scheduler asks of a component that constrains what a request may output
+    (structured outputs: `tokenmill.engine.structured.GrammarMatchers`)."""
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance by a committed token; True: the constraint is complete, stop here."""
+
+    def free(self, request_id: str) -> None:
+        """The request ended (stop, length, abort): drop its state."""
 
 
 class WaitingQueue:
@@ -96,9 +108,10 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, constraints: TokenConstraints | None = None):
         self.config = config
         self.kv = kv
+        self.constraints = constraints  # advanced with each committed token of a constrained request
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -211,14 +224,14 @@ class Scheduler:
     def _burst_steps(self, reqs: list[Request]) -> int:
         """How many decode steps these decodes (one token each, blocks for it allocated)
         run in one go: decode_steps shared among them, 1 unless each one's next tokens
-        depend on nothing but the argmax (greedy, no logprobs, no penalties, min_tokens
-        met), capped by each one's remaining length; the blocks for the extra steps are
+        depend on nothing but the argmax (greedy, no logprobs, no penalties, no bias, no
+        grammar, min_tokens met), capped by each one's remaining length; the blocks for the extra steps are
         allocated here (1, allocating nothing, if the pool can't hold them all)."""
         steps = self.config.decode_steps // len(reqs)
         for req in reqs:
             sp = req.params
             if (not sp.greedy or sp.logprobs is not None or sp.has_penalties or sp.logit_bias
-                    or req.num_output_tokens < sp.min_tokens):
+                    or sp.structured is not None or req.num_output_tokens < sp.min_tokens):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens,
                         self.config.max_model_len - req.num_tokens)
@@ -315,6 +328,10 @@ class Scheduler:
                     req.num_computed_tokens += 1
                 req.output_token_ids.append(tok)
                 req.times.tokens.append(now)
+                if (req.params.structured is not None and self.constraints is not None
+                        and self.constraints.accept(req.request_id, tok)):
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+                    break
                 status = self._stop_status(req, tok)
                 if status is not None:
                     break
@@ -347,6 +364,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req, finished=True)
         self.groups.remove(req)
+        if req.params.structured is not None and self.constraints is not None:
+            self.constraints.free(request_id)
         req.status = status
         req.times.finished = time.monotonic()
         self._finished_ids.append(request_id)
