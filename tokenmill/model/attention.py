@@ -5,6 +5,12 @@ Every sequence reads its keys and values through slot indices derived from its
 block table, so prefill with cached context, chunked prefill and decode all use
 the same cache. The runner builds the metadata once per step; all layers share it.
 
+With the native kernels every query row is computed as its own sequence over what the
+cache holds up to its position (this step's keys and values are written first), with a
+reduction order that depends only on that context: a token gives the same numbers alone
+or batched, in one prefill chunk or many, after a prefix-cache hit or not. (The torch
+path, used without the native kernels, does not promise that.)
+
 Cache layout per layer: k, v each [kv_heads, num_slots, head_dim], where
 slot = block_id * block_size + offset. Keeping heads outermost makes the gather of
 one sequence's context a contiguous [kv_heads, L, head_dim] block per head, ready
@@ -20,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 
-# Chunks with cached context up to this many queries use the native kernel; longer
-# ones are compute-bound and go to matmuls over gathered K/V.
-NATIVE_MAX_QUERY = 16
+# Torch path: chunks with cached context up to this many queries use two small matmuls
+# per kv head (_grouped_attention) the same way as longer ones.
 
 
 @dataclass
@@ -47,6 +52,30 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [1, D, 1, L] True where a key is visible
     decode_bias: torch.Tensor | None = None  # derived from decode_mask by the first layer, reused
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # every query row as its own sequence (row_view), built once per step
+    row_tables: torch.Tensor | None = None  # [T, max_blocks]
+    row_lens: torch.Tensor | None = None  # [T] context up to and including the row
+    row_starts: torch.Tensor | None = None  # [T + 1] = arange
+
+
+def row_view(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block tables [T, max_blocks], context lengths [T]) with each query row of the flat
+    batch as its own sequence: the row's block table and its position + 1. A decode-only
+    step's own tables and lengths already are that."""
+    if meta.row_lens is None:
+        D = meta.num_decodes
+        if not meta.prefills:
+            meta.row_tables, meta.row_lens = meta.block_tables[:D], meta.seq_lens[:D]
+        else:
+            seqs, lens = [torch.arange(D)], [meta.seq_lens[:D]]
+            for p in meta.prefills:
+                assert p.start == sum(x.numel() for x in lens), "rows: decodes, then the prefills in order"
+                seqs.append(torch.full((p.query_len,), p.seq_index, dtype=torch.int64))
+                lens.append(torch.arange(p.context_len + 1, p.context_len + p.query_len + 1))
+            meta.row_tables = meta.block_tables.index_select(0, torch.cat(seqs))
+            meta.row_lens = torch.cat(lens)
+        meta.row_starts = torch.arange(meta.row_lens.numel() + 1)
+    return meta.row_tables, meta.row_lens
 
 
 _INV127 = torch.tensor(1 / 127, dtype=torch.float32)
@@ -100,19 +129,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
+    if meta.kernel is not None:
+        # each row over the cache (its own keys included), as its own sequence
+        tables, lens = row_view(meta)
+        return meta.kernel.paged_attention(q.contiguous(), k_cache, v_cache, tables, lens, meta.row_starts,
+                                           meta.block_size, scale, k_scale, v_scale).view(T, H * d)
+
     def gather(cache: torch.Tensor, scales: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
         rows = cache.index_select(1, idx)
         return rows if scales is None else dequantize_kv(rows, scales.index_select(1, idx), q.dtype)
 
     out = torch.empty(T, H * d, dtype=q.dtype)
     D = meta.num_decodes
-    ext = meta.kernel
-    if D and ext is not None:
-        starts = torch.arange(D + 1)
-        out[:D] = ext.paged_attention(q[:D].contiguous(), k_cache, v_cache, meta.block_tables[:D],
-                                      meta.seq_lens[:D], starts, meta.block_size, scale,
-                                      k_scale, v_scale).view(D, H * d)
-    elif D:
+    if D:
         L = meta.decode_slots.shape[1]
         idx = meta.decode_slots.reshape(-1)
         kd = gather(k_cache, k_scale, idx).view(Hkv * D, L, d)
@@ -132,12 +161,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=g > 1)
             out[s:s + n] = o[0].transpose(0, 1).reshape(n, H * d)
-            continue
-        if ext is not None and n <= NATIVE_MAX_QUERY:
-            i = p.seq_index
-            out[s:s + n] = ext.paged_attention(
-                q[s:s + n].contiguous(), k_cache, v_cache, meta.block_tables[i:i + 1], meta.seq_lens[i:i + 1],
-                torch.tensor([0, n]), meta.block_size, scale, k_scale, v_scale).view(n, H * d)
             continue
         L = p.context_len + n
         kp = gather(k_cache, k_scale, p.slots)  # [Hkv, L, d]

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.attention import AttentionMetadata, paged_attention
+from tokenmill.model.attention import AttentionMetadata, paged_attention, row_view
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.quant import VNNI_PRECISE_WIDE_DENSE_FROM_ROWS, Int4Linear, Int8Linear
+from tokenmill.model.quant import Int4Linear, Int8Linear
 
 FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
 
@@ -146,7 +146,11 @@ class LlamaModel:
         H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
-        decode_only = meta.num_decodes == T and ops.decode_attention_available()
+        # Attention takes each query row as its own sequence over the cache (row_view), so
+        # that a row gets the same numbers whatever else the step holds: with AVX-512 every
+        # row through decode attention (which writes the step's K/V first), as the fused
+        # step does; else paged_attention's per-row kernel.
+        rows_native = ops.decode_attention_available()
         if self._fused_step(ops, meta, T, kv_cache):
             return self._fused.forward(h, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                        meta.block_size)
@@ -154,15 +158,16 @@ class LlamaModel:
         sin = self.sin32.index_select(0, positions)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         n = len(self.layers)
-        # a step of single-token decodes writes K/V and attends in one native op a layer
+        if rows_native:
+            tables, lens = row_view(meta)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             ops.rope_(qkv, cos, sin, H + Hkv, d)
             k_cache, v_cache = kv_cache.layer(i)
             k_scale, v_scale = kv_cache.layer_scales(i)
-            if decode_only:
-                attn = ops.decode_attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                            meta.seq_lens, H, Hkv, meta.block_size, self.scale, k_scale, v_scale)
+            if rows_native:
+                attn = ops.decode_attention(qkv, k_cache, v_cache, meta.slot_mapping, tables, lens,
+                                            H, Hkv, meta.block_size, self.scale, k_scale, v_scale)
             else:
                 q = qkv[:, :H * d].view(T, H, d)
                 k = qkv[:, H * d:(H + Hkv) * d].view(T, Hkv, d)
@@ -193,14 +198,8 @@ class LlamaModel:
                 self._fused = ops.DecodeModel([lin.tiles for lin in lins], [lin.precise for lin in lins], norms,
                                               self.cos32, self.sin32, cfg.num_heads, cfg.num_kv_heads,
                                               cfg.head_dim, cfg.rms_norm_eps, self.scale)
-                # Up to 16 rows the fused step wins even where a layer alone would switch to
-                # its dense copy sooner (down, at 12): +9% output tok/s with 16 sequences
-                # decoding, measured. From that switch on, the fused step keeps the packed
-                # kernel where the separate ops would use the dense copy (results then differ
-                # by that rounding). A layer set to switch sooner than the measured default
-                # keeps its choice.
-                switch = min(lin.dense_from_rows for lin in lins)
-                self._fused_rows = FUSED_DECODE_ROWS if switch >= VNNI_PRECISE_WIDE_DENSE_FROM_ROWS else switch
+                # (the separate ops run the same kernels: the same numbers at any row count)
+                self._fused_rows = FUSED_DECODE_ROWS
                 head = self.lm_head
                 if (isinstance(head, Int8Linear) and head._vnni is not None and head.float_out
                         and head.bias is None and self.embed.dtype == torch.bfloat16 and self.embed.is_contiguous()):
@@ -220,7 +219,7 @@ class LlamaModel:
         """Whether the fused step applies and also holds the embedding and the output
         projection (which its kernel serves at this many rows)."""
         return (meta.kernel is not None and self._fused_step(meta.kernel, meta, rows, kv_cache)
-                and self._fused_head and rows < self.lm_head.dense_from_rows)
+                and self._fused_head)
 
     @torch.inference_mode()
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -6,15 +6,17 @@ Weights are quantized at load time, round-to-nearest:
   int8: symmetric, one scale per output channel;
   int4: asymmetric, groups of 32 along the input, w = q * d + m with float16 d and m:
         GGUF's Q4_1 grid, so a Q4_1 checkpoint's codes are recovered exactly.
-Small batches (decode) run the native kernels of csrc/quant_gemv.cpp where the CPU has
-AVX-512 VNNI: the activations are quantized to int8 per group of 32 on the fly, as
-llama.cpp does, and the products are integer dot products; that keeps up with memory
-(torch's packed kernels, the fallback, unpack to floats and run at half that speed).
-The cost is the activation rounding, measured by benchmarks/quality.py --decode-kernels.
-Large batches and prefill are compute-bound, so every quantized layer also keeps its
-dequantized weight in bf16 and uses it from `dense_from_rows` rows on. That spends
-memory (a 135M model: ~95 MB packed + 270 MB dense) to be fastest at both ends; the
-weights are the quantized ones either way.
+Every row count runs the same kernel, whose output rows are each computed the same way
+whatever the other rows (the row-invariance that makes a request's tokens independent
+of its batch, tests/engine/test_determinism.py): where the CPU has AVX-512 VNNI the
+native kernels of csrc/quant_gemv.cpp, which quantize the activations to int8 per group
+of 16 on the fly, as llama.cpp does, and take integer dot products; that keeps up with
+memory (torch's packed kernels, the fallback, unpack to floats and run at half that
+speed). The cost is the activation rounding, measured by benchmarks/quality.py
+--decode-kernels. A dense bf16 copy of the dequantized weight was used from a few dozen
+rows on (prefill) until it showed that a row's result then depended on how many rows
+shared the matmul; the quantized weights are the only copy now (a 135M model: ~95 MB
+instead of ~365 MB). docs/benchmarks.md has what that costs prefill.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.model.kernels import native_ops
 
@@ -31,37 +32,10 @@ TILE = 16  # output rows per tile of the native kernels, and torch's int4 packin
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
-# Rows from which the dense bf16 copy is faster, measured over the layers of a decode
-# step (30 layers, weights streamed from memory) on the 2-core target, both sides on two
-# threads: torch's int4 kernel loses from ~16 rows; the VNNI kernel still wins 1.4x at 96
-# rows on gate-up and ties at ~100 on the attention output. Precise layers (two int8
-# levels of activations) do twice the dot products: free while memory is the limit, but
-# the dense copy catches up sooner, at ~30 rows for a 576-wide input (qkv) and ~12 for
-# a 1536-wide one (down). The int8 output projection still wins 1.4x at 128 rows.
-DENSE_FROM_ROWS = 16
-VNNI_DENSE_FROM_ROWS = 96
-VNNI_PRECISE_DENSE_FROM_ROWS = 32
-VNNI_PRECISE_WIDE_DENSE_FROM_ROWS = 12  # inputs wider than 1024
-VNNI_INT8_DENSE_FROM_ROWS = 128
-
-
 def _vnni_ops() -> Any | None:
     """The native module when its int8-activation kernels use AVX-512 VNNI."""
     ops = native_ops()
     return ops if ops is not None and ops.quant_gemv_vnni() else None
-
-
-def _dense_from_rows(given: int | None, vnni: Any | None, precise: bool = False, int8: bool = False,
-                     in_features: int = 0) -> int:
-    if given is not None:
-        return given
-    if vnni is None:
-        return DENSE_FROM_ROWS
-    if int8:
-        return VNNI_INT8_DENSE_FROM_ROWS
-    if precise:
-        return VNNI_PRECISE_WIDE_DENSE_FROM_ROWS if in_features > 1024 else VNNI_PRECISE_DENSE_FROM_ROWS
-    return VNNI_DENSE_FROM_ROWS
 
 
 def _tileable(n: int, k: int) -> bool:
@@ -94,48 +68,42 @@ def pack_int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class _Quantized:
-    """Shared by both widths: pick the kernel by batch rows."""
-    dense: torch.Tensor
+    """Shared by both widths: one kernel for every row count (see the module's doc)."""
     bias: torch.Tensor | None
-    dense_from_rows: int
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.dense_from_rows:
-            return F.linear(x, self.dense, self.bias)
         y = self._packed_mm(x)
         return y + self.bias if self.bias is not None else y
 
 
 class Int8Linear(_Quantized):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 dense_from_rows: int | None = None, float_out: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False):
         w = weight.float()
         self.scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.qweight = (w / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.scales_bf16 = self.scales.to(torch.bfloat16)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = w.shape
-        self.dense = self.dequantize().to(torch.bfloat16)
         # For the output projection the kernels' float32 result is kept as the logits:
         # rounded to bf16 (steps of 0.125 near 20) top logits tie and greedy errs.
         self.float_out = float_out
         self._vnni = _vnni_ops() if _tileable(*w.shape) else None
         self.tiles = pack_int8_tiles(self.qweight, self.scales) if self._vnni is not None else None
-        self.dense_from_rows = _dense_from_rows(dense_from_rows, self._vnni, int8=True)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self._vnni is not None:
             return self._vnni.q8_gemv(x, self.tiles, self.float_out)
-        if x.shape[0] == 1:
-            # One row without VNNI: float FMAs on the int8 weight still read it 1.4x
-            # faster than torch's packed kernel (an output projection: 2.2 vs 3.1 ms).
+        if self.float_out:
+            # Without VNNI the output projection takes float FMAs on the int8 weight for
+            # every row count: float32 logits, and one row reads the weight 1.4x faster
+            # than torch's packed kernel (2.2 vs 3.1 ms); from ~16 rows that is 2x slower
+            # (rows: the sequences of a step, or prompt logprobs).
             ops = native_ops()
             if ops is not None:
-                y = ops.int8_gemv(x, self.qweight, self.scales)
-                return y if self.float_out else y.to(x.dtype)
+                return ops.int8_gemv(x, self.qweight, self.scales)
         return torch._weight_int8pack_mm(x, self.qweight, self.scales_bf16)
 
     def dequantize(self) -> torch.Tensor:
@@ -148,8 +116,7 @@ class Int8Linear(_Quantized):
 
 
 class Int4Linear(_Quantized):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 dense_from_rows: int | None = None, precise: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False):
         w = weight.float()
         # precise: the VNNI kernel rounds activations to two int8 levels instead of one
         self.precise = precise
@@ -166,9 +133,7 @@ class Int4Linear(_Quantized):
         self._q = ((g - m) / d).round().clamp(0, 15).to(torch.uint8).view(n, k)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = n, k
-        self.dense = self.dequantize().to(torch.bfloat16)
         self._vnni = _vnni_ops()
-        self.dense_from_rows = _dense_from_rows(dense_from_rows, self._vnni, precise, in_features=k)
         if self._vnni is not None:
             self.tiles = pack_int4_tiles(self._q, self.d, self.m)
         else:

@@ -496,18 +496,18 @@ void decode_chunk(const T* q, const C* kh, const C* vh, const float* ksh, const 
 }
 
 
-// Work units of a decode step: (sequence, chunk, kv head). Chunks are at most kChunk
-// tokens, a multiple of bs, and short enough that there are ~8 units a thread, so that
-// splitting them by cost (unit_bounds) leaves no core idle: one sequence's few kv heads
-// alone would. first[b] is sequence b's first unit; returns the chunk length.
-inline int64_t plan_units(const int64_t* lens, int64_t B, int64_t Hkv, int64_t bs, int64_t threads,
-                          std::vector<int64_t>& first) {
+// Work units of a decode step: (sequence, chunk, kv head). Chunks are kPlanChunk tokens
+// (whole blocks), whatever the batch: a query's chunks, and so the order its sums and
+// bf16 roundings run in, then depend only on its own context, and a sequence gives the
+// same numbers alone or in any batch (chunks sized to spread the batch over the threads
+// did not). 64 keeps ~8 units a thread for one sequence of a few hundred tokens; longer
+// contexts and larger batches get more units than the cores need (each ~16 keys of
+// overhead, kUnitCost). first[b] is sequence b's first unit; returns the chunk length.
+constexpr int64_t kPlanChunk = 64;
+
+inline int64_t plan_units(const int64_t* lens, int64_t B, int64_t Hkv, int64_t bs, std::vector<int64_t>& first) {
   TORCH_CHECK(bs <= kChunk, "block_size above ", kChunk);
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
-  const int64_t want = std::max<int64_t>(1, 8 * threads / (B * Hkv));
-  int64_t chunk = std::max<int64_t>(64, (max_len + want - 1) / want);
-  chunk = std::min<int64_t>(kChunk / bs * bs, std::max<int64_t>(bs, (chunk + bs - 1) / bs * bs));
+  const int64_t chunk = std::min<int64_t>(kChunk / bs * bs, (kPlanChunk + bs - 1) / bs * bs);
   first.assign(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (lens[b] + chunk - 1) / chunk * Hkv;
   return chunk;

@@ -315,7 +315,7 @@ class DecodeModel {
     // this thread's OpenMP team size follows torch's setting, as at::parallel_for's does
     at::internal::lazy_init_num_threads();
     const int64_t threads = at::get_num_threads();
-    const int64_t chunk = tm_decode::plan_units(lens, M, Hkv, bs, threads, first);
+    const int64_t chunk = tm_decode::plan_units(lens, M, Hkv, bs, first);
     const std::vector<int64_t> bounds = tm_decode::unit_bounds(first, lens, chunk, Hkv, threads);
     // shared between the threads: each matmul's output, attention's partial results
     std::vector<BF16> qkv(M * nq), o(M * hid), gu(M * 2 * I), dn(M * hid);

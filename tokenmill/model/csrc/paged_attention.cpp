@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <cmath>
 #include <limits>
@@ -40,7 +41,17 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
                 const int64_t* __restrict table, int64_t bs, int64_t n_q, int64_t seq_len,
                 int64_t kvh, int64_t H, int64_t g, float scale,
                 scalar_t* __restrict out) {  // [n_q, H, D]
-  std::vector<float> qf(g * D), scores(g * seq_len), acc(g * D), buf(bs * D);
+  // A query row's result depends only on its visible keys, not on the other rows of the
+  // call nor on seq_len (every query row may come as its own sequence, see
+  // tokenmill.model.attention.paged_attention): buffers and each head's scores start
+  // 64-byte aligned, so the vectorized reductions split the same way every time.
+  const int64_t ld = (seq_len + 15) / 16 * 16;
+  std::vector<float> mem(g * D + g * ld + g * D + bs * D + 16);
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(mem.data()) + 63) & ~uintptr_t(63));
+  float* qf = base;
+  float* scores = qf + g * D;
+  float* acc = scores + g * ld;
+  float* buf = acc + g * D;
   for (int64_t i = 0; i < n_q; ++i) {
     const int64_t visible = seq_len - n_q + i + 1;  // causal: keys 0 .. position of query i
     const int64_t nblocks = (visible + bs - 1) / bs;
@@ -51,12 +62,12 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t n_t = std::min(bs, visible - b * bs);
       const cache_t* kb = k_head + table[b] * bs * D;
-      widen<D>(kb, ks_head ? ks_head + table[b] * bs : nullptr, n_t, buf.data());
+      widen<D>(kb, ks_head ? ks_head + table[b] * bs : nullptr, n_t, buf);
       for (int64_t j = 0; j < g; ++j) {
-        const float* qj = qf.data() + j * D;
-        float* sj = scores.data() + j * seq_len + b * bs;
+        const float* qj = qf + j * D;
+        float* sj = scores + j * ld + b * bs;
         for (int64_t t = 0; t < n_t; ++t) {
-          const float* kr = buf.data() + t * D;
+          const float* kr = buf + t * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int e = 0; e < D; ++e) s += qj[e] * kr[e];
@@ -65,7 +76,7 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
       }
     }
     for (int64_t j = 0; j < g; ++j) {
-      float* sj = scores.data() + j * seq_len;
+      float* sj = scores + j * ld;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < visible; ++t) mx = sj[t] > mx ? sj[t] : mx;
       float sum = 0.f;
@@ -76,17 +87,17 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
       const float inv = 1.f / sum;
       for (int64_t t = 0; t < visible; ++t) sj[t] *= inv;
     }
-    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(acc, acc + g * D, 0.f);
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t n_t = std::min(bs, visible - b * bs);
       const cache_t* vb = v_head + table[b] * bs * D;
-      widen<D>(vb, vs_head ? vs_head + table[b] * bs : nullptr, n_t, buf.data());
+      widen<D>(vb, vs_head ? vs_head + table[b] * bs : nullptr, n_t, buf);
       for (int64_t j = 0; j < g; ++j) {
-        float* aj = acc.data() + j * D;
-        const float* pj = scores.data() + j * seq_len + b * bs;
+        float* aj = acc + j * D;
+        const float* pj = scores + j * ld + b * bs;
         for (int64_t t = 0; t < n_t; ++t) {
           const float p = pj[t];
-          const float* vr = buf.data() + t * D;
+          const float* vr = buf + t * D;
 #pragma omp simd
           for (int e = 0; e < D; ++e) aj[e] += p * vr[e];
         }
@@ -200,7 +211,7 @@ void decode_all(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor&
       store_row<T, D>(src + Hkv * D, vp + at * D, vsp ? vsp + at : nullptr);
     }
   std::vector<int64_t> first;
-  const int64_t chunk = plan_units(lens, B, Hkv, bs, at::get_num_threads(), first);
+  const int64_t chunk = plan_units(lens, B, Hkv, bs, first);
   std::vector<float> parts(first[B] * g * (D + 2));
   const int64_t nt = at::get_num_threads();
   const std::vector<int64_t> bounds = unit_bounds(first, lens, chunk, Hkv, nt);
