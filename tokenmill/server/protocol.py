@@ -15,7 +15,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from tokenmill.engine.api import InvalidParameter, RequestBounds, SamplingParams
+from tokenmill.engine.api import InvalidParameter, RequestBounds, SamplingParams, StructuredOutput
+from tokenmill.server import tools as tool_calls
 
 
 class _Body(BaseModel):
@@ -24,6 +25,27 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: Union[dict[str, Any], StrictBool, None] = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields)."""
+    json_: Union[dict[str, Any], StrictStr, None] = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class ContentPart(_Body):
@@ -82,6 +104,47 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: StrictBool = False
     priority: Literal["interactive", "batch"] | None = None
     logit_bias: dict[StrictStr, float] | None = None
+    # structured outputs: OpenAI's response_format, and vLLM's guided_* / structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict[str, Any], StrictStr, None] = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    def structured(self) -> tuple[StructuredOutput | None, str]:
+        """The one output constraint the body asks for, and the field that asked for it
+        (what a 400 names). Two constraints at once are refused."""
+        found: list[tuple[StructuredOutput, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append((StructuredOutput("json_object"), "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidParameter("response_format", "response_format of type json_schema needs "
+                                                          "json_schema.schema")
+            found.append((StructuredOutput("json", rf.json_schema.schema_), "response_format"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((StructuredOutput(kind, value), name))
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar)):
+                if value is not None:
+                    found.append((StructuredOutput(kind, value), "structured_outputs"))
+            if so.json_object:
+                found.append((StructuredOutput("json_object"), "structured_outputs"))
+        if len(found) > 1:
+            raise InvalidParameter(found[1][1], f"only one output constraint may be given; got "
+                                                f"{found[0][1]} and {found[1][1]}")
+        return found[0] if found else (None, "response_format")
+
+    def param_renames(self) -> dict[str, str]:
+        """SamplingParams' names for the fields this body spells differently."""
+        return {"structured": self.structured()[1]}
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -112,6 +175,7 @@ class _SamplingFields(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
+            structured=self.structured()[0],
         )
 
 
@@ -122,7 +186,31 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+
+    @property
+    def tools_active(self) -> bool:
+        """The tools are offered to the model (rendered, and its calls parsed)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tools_by_name(self) -> dict[str, dict[str, Any]]:
+        return tool_calls.check_tools(self.tools, self.tool_choice)
+
+    def structured(self) -> tuple[StructuredOutput | None, str]:
+        """As for completions, plus tool_choice 'required' or a named function, which
+        constrain the output to well-formed calls (a second constraint is refused)."""
+        spec, param = super().structured()
+        by_name = self.tools_by_name()
+        names = tool_calls.forced_names(by_name, self.tool_choice) if self.tools_active else None
+        if names is None:
+            return spec, param
+        if spec is not None:
+            raise InvalidParameter(param, f"{param} conflicts with tool_choice {self.tool_choice!r}: "
+                                          "the output can follow one constraint")
+        parallel = self.tool_choice == "required" and self.parallel_tool_calls is not False
+        return tool_calls.call_grammar(by_name, names, parallel), "tools"
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -135,7 +223,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def param_renames(self) -> dict[str, str]:
         """SamplingParams' names for the fields this body spells differently."""
-        return {"logprobs": "top_logprobs",
+        return {**super().param_renames(), "logprobs": "top_logprobs",
                 "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
 
 

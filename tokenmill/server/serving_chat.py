@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from tokenmill.engine.api import Choice, TokenLogprob
 from tokenmill.server.errors import APIError
+from tokenmill.server import tools as tool_calls
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving import (BaseServing, RequestContext, json_response, now,
                                       run_until_disconnected, sse, sse_with_errors, streaming_response)
@@ -24,10 +25,11 @@ class ServingChat(BaseServing):
         if len(body.messages) > bounds.max_messages:
             raise APIError(400, f"at most {bounds.max_messages} messages per request, got {len(body.messages)}",
                            param="messages")
+        body.tools_by_name()  # tools and tool_choice checked before anything is rendered
         try:
-            messages = [m.as_template_dict() for m in body.messages]
+            messages, tools = self._with_tools(body, [m.as_template_dict() for m in body.messages])
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                           body.add_generation_prompt, tools=body.tools)
+                                           body.add_generation_prompt, tools=tools)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
         ids = await self.encode(text, "messages", add_special_tokens=False)
@@ -38,6 +40,26 @@ class ServingChat(BaseServing):
             return streaming_response(sse_with_errors(self._stream(body, ctx, stream, len(ids), include_usage)))
         return json_response(self.check_deadline(
             await run_until_disconnected(raw, self._full(body, ctx, stream, len(ids)))))
+
+    def _with_tools(self, body: ChatCompletionRequest, messages: list[dict[str, Any]]):
+        """(messages, tools) for the template: as they are if it has a tools branch, else
+        the tools, tool calls and tool results rendered as text (tokenmill/server/tools.py)."""
+        tools = body.tools if body.tools_active else None
+        template = self.tokenizer.chat_template
+        if tool_calls.template_has_tools(template.source if template is not None else None):
+            return messages, tools
+        return tool_calls.render_messages(messages, tools), None
+
+    @staticmethod
+    def _answer(body: ChatCompletionRequest, c: Choice) -> tuple[dict[str, Any], str | None]:
+        """The message and finish reason of a finished choice: its tool calls parsed out
+        when tools were offered."""
+        if body.tools_active:
+            content, calls = tool_calls.parse_calls(c.text, body.tools_by_name())
+            if calls:
+                finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+                return {"role": "assistant", "content": content, "tool_calls": [t.as_dict() for t in calls]}, finish
+        return {"role": "assistant", "content": c.text}, c.finish_reason
 
     def _logprob_entries(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
         return [
@@ -60,12 +82,13 @@ class ServingChat(BaseServing):
                 cached = out.num_cached_tokens
             self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
         usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
+        answers = {c.index: self._answer(body, c) for c in choices.values()}
         return {
             "id": ctx.request_id, "object": "chat.completion", "created": now(), "model": self.model_name,
             "choices": [{
-                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "index": c.index, "message": answers[c.index][0],
                 "logprobs": {"content": rendered[c.index]} if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "finish_reason": answers[c.index][1], "stop_reason": c.stop_reason,
             } for c in choices.values()],
             "usage": self.finish_usage(ctx, usage),
             "system_fingerprint": None,
@@ -87,6 +110,9 @@ class ServingChat(BaseServing):
             yield chunk(i, {"role": "assistant", "content": ""})
         outputs = [0] * body.n
         cached = 0
+        parsers = None  # with tools: one parser per choice splits content from calls
+        if body.tools_active:
+            parsers = [tool_calls.StreamParser(body.tools_by_name()) for _ in range(body.n)]
         async for out in stream:
             self.record(out)
             outputs[out.index] = out.num_output_tokens
@@ -94,7 +120,20 @@ class ServingChat(BaseServing):
                 cached = out.num_cached_tokens
             self.progress(ctx, num_prompt, cached, sum(outputs))
             lps = {"content": self._logprob_entries(out.logprobs)} if (body.logprobs and out.logprobs) else None
-            if out.text or lps or out.finished:
+            if parsers is not None:  # tool calls are sent whole, each as its block closes
+                p = parsers[out.index]
+                n_before = len(p.calls)
+                text, calls = p.feed(out.text)
+                text += p.finish() if out.finished else ""
+                delta: dict[str, Any] = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = [{"index": n_before + k, **c.as_dict()} for k, c in enumerate(calls)]
+                finish = out.finish_reason if out.finished else None
+                if finish == "stop" and p.calls:
+                    finish = "tool_calls"
+                if delta or lps or out.finished:
+                    yield chunk(out.index, delta, finish, lps)
+            elif out.text or lps or out.finished:
                 delta = {"content": out.text} if out.text else {}
                 yield chunk(out.index, delta, out.finish_reason if out.finished else None, lps)
         usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs)))

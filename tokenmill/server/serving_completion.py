@@ -38,7 +38,7 @@ class ServingCompletion(BaseServing):
         if body.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
         prompts = await self._prompts(body.prompt)
-        params = self.prepare(ctx, [ids for _, ids in prompts], body.sampling_params())
+        params = self.prepare(ctx, [ids for _, ids in prompts], body.sampling_params(), body.param_renames())
         if body.echo and not isinstance(body.prompt, str) and not isinstance(body.prompt[0], str):
             prompts = [(await asyncio.to_thread(self.tokenizer.decode, ids, skip_special_tokens=False), ids)
                        for _, ids in prompts]
