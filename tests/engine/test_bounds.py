@@ -97,3 +97,24 @@ def test_the_server_and_cli_import_only_the_engine_seam():
             if m.group(1) != "api":
                 offenders.append(f"{path.name}: tokenmill.engine.{m.group(1)}")
     assert not offenders, offenders
+
+
+def test_tiny_sampling_values_do_not_turn_into_nan():
+    """Values the bounds allow but fp32 cannot divide by: a temperature below GREEDY_BELOW
+    is greedy, a top_p that rounds to 0 keeps the top token, a tiny repetition penalty
+    stays finite; every row samples its argmax, not token 0 from a NaN distribution."""
+    import torch
+
+    from tokenmill.engine.api import GREEDY_BELOW
+    from tokenmill.engine.sampler import SamplingBatch, sample
+
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]] * 3)
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy
+    b = SamplingBatch(temperature=torch.tensor([1e-40, 1.0, 1.0]), all_greedy=False,
+                      top_p=torch.tensor([1.0, 5e-324, 1.0]),
+                      presence=torch.zeros(3), frequency=torch.zeros(3),
+                      repetition=torch.tensor([1.0, 1.0, 1e-38]), output_ids=[[], [], []],
+                      prompt_ids=[[], [], [2]])
+    b.generators = [torch.Generator().manual_seed(s) for s in range(3)]
+    for _ in range(20):
+        assert sample(logits, b).token_ids == [1, 1, 2]  # row 3: token 2 divided by the tiny penalty

@@ -62,6 +62,10 @@ class Priority(enum.IntEnum):
 
 
 # -- request ----------------------------------------------------------------------------
+# A temperature this small is greedy decoding: dividing fp32 logits by it overflows to
+# inf (and the softmax to NaN), so it is taken as the limit it tends to.
+GREEDY_BELOW = 1e-5
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on a request's output, which the engine compiles to a grammar
@@ -108,7 +112,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

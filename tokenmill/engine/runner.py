@@ -166,7 +166,7 @@ class ModelRunner:
 
     def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:
         params = [s.params for s in rows]
-        all_greedy = all(p.temperature == 0.0 for p in params)
+        all_greedy = all(p.greedy for p in params)
         # (an all-greedy batch never reads the temperatures)
         temps = _NO_TEMPERATURES if all_greedy else torch.tensor([p.temperature for p in params], dtype=torch.float32)
         b = SamplingBatch(temperature=temps, all_greedy=all_greedy)

@@ -22,6 +22,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from tokenmill.engine.api import GREEDY_BELOW
+
 
 @dataclass
 class LogitBias:
@@ -101,7 +103,7 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         for i, x in enumerate(b.prompt_ids):
             if x:
                 seen[i, torch.tensor(x, dtype=torch.int64)] = True
-        rp = b.repetition.unsqueeze(1)
+        rp = b.repetition.clamp(min=1e-6).unsqueeze(1)  # a finite quotient for any allowed penalty
         penalized = torch.where(logits > 0, logits / rp, logits * rp)
         logits = torch.where(seen, penalized, logits)
     if b.frequency is not None:
@@ -128,6 +130,7 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Te
         # drop a token when the mass before it already reaches top_p (the top one always stays);
         # never in rows with top_p = 1, where the rounded sum reaches 1 before the tail does
         drop = ((cum - probs) >= b.top_p.unsqueeze(1)) & (b.top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False  # the most likely token stays, even for a top_p that is 0 in fp32
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if b.min_p is not None:
@@ -170,7 +173,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None =
         tokens = greedy_tokens
     else:
         temp = b.temperature
-        is_greedy = temp == 0.0
+        is_greedy = temp < GREEDY_BELOW  # (fp32 logits / a tinier temperature overflow)
         scaled = logits / torch.where(is_greedy, torch.ones_like(temp), temp).unsqueeze(1)
         scaled = _apply_top_k_top_p_min_p(scaled, b)
         probs = scaled.softmax(dim=-1)
