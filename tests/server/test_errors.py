@@ -37,6 +37,9 @@ def test_invalid_values_are_400(server, field, value):
 @pytest.mark.parametrize("field,value", [
     ("temperature", "hot"), ("max_tokens", "many"), ("messages", "hello"), ("stream", "yes"), ("n", 1.5),
     ("stop", 5), ("model", 3),
+    # booleans are not numbers (they were taken as 0 and 1)
+    ("temperature", False), ("n", True), ("seed", False), ("top_k", False), ("min_tokens", True),
+    ("stop_token_ids", [1, True]), ("logit_bias", {"5": True}),
 ])
 def test_wrong_types_are_400(server, field, value):
     _err(_post(server, "/v1/chat/completions", {**OK_CHAT, field: value}), 400, field)

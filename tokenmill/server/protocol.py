@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from tokenmill.engine.api import InvalidParameter, RequestBounds, SamplingParams, StructuredOutput
 from tokenmill.server import tools as tool_calls
@@ -82,28 +82,28 @@ class ChatMessage(_Body):
 
 class _SamplingFields(_Body):
     model: StrictStr
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: StrictInt = 1
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     stop: Union[StrictStr, list[StrictStr], None] = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     # extensions (vLLM-compatible names)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     ignore_eos: StrictBool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[StrictInt] | None = None
     cache_salt: StrictStr | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     priority: Literal["interactive", "batch"] | None = None
-    logit_bias: dict[StrictStr, float] | None = None
+    logit_bias: dict[StrictStr, StrictFloat] | None = None
     # structured outputs: OpenAI's response_format, and vLLM's guided_* / structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: Union[dict[str, Any], StrictStr, None] = None
@@ -181,10 +181,10 @@ class _SamplingFields(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: StrictBool | None = None
@@ -228,12 +228,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[StrictStr, list[StrictStr], list[int], list[list[int]]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
