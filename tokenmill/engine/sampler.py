@@ -46,15 +46,23 @@ class LogitBias:
 
 @dataclass
 class TokenMask:
-    """Grammar masks of some rows: only `allowed` tokens may be sampled in `rows`."""
-    rows: torch.Tensor  # [R] int64
-    allowed: torch.Tensor  # [R, V] bool
+    """Grammar masks of some rows: no `blocked` token may be sampled in `rows`. numpy,
+    applied in place with numpy: torch's indexed fill took ~100 ms for 16 rows on the
+    loaded two-core machine, numpy's under a millisecond a row."""
+    rows: list[int]
+    blocked: np.ndarray  # [R, V] bool
 
     @classmethod
     def from_bitmask(cls, rows: list[int], bitmask: np.ndarray, vocab_size: int) -> TokenMask:
         """bitmask: [R, ceil(V / 32)] int32, token t allowed iff bit t % 32 of word t // 32."""
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-        return cls(torch.tensor(rows, dtype=torch.int64), torch.from_numpy(bits).bool())
+        return cls(rows, bits == 0)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of logits [B, V] fp32 with the blocked tokens at -inf."""
+        arr = logits.detach().to("cpu", torch.float32).numpy().copy()
+        arr[self.rows] = np.where(self.blocked, np.float32(-np.inf), arr[self.rows])
+        return torch.from_numpy(arr).to(logits.device)
 
 
 @dataclass
@@ -153,9 +161,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None =
     rows' argmax if the caller has it already (used unless masking, bias or penalties
     change the logits first)."""
     if b.token_mask is not None:
-        m = b.token_mask
-        logits = logits.clone()
-        logits[m.rows] = logits[m.rows].masked_fill(~m.allowed, float("-inf"))
+        logits = b.token_mask.apply(logits)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs is not None else None
     if b.banned or b.logit_bias is not None:
         logits = logits.clone()
