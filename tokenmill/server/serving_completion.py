@@ -68,12 +68,11 @@ class ServingCompletion(BaseServing):
     def _echo_logprobs(out: RequestOutput, ids: list[int]) -> list[TokenLogprob]:
         """Prompt tokens' logprobs; the first token has none (null, as OpenAI sends it)."""
         plp = out.prompt_logprobs or []
-        return [TokenLogprob(ids[0], None, [])] + [lp for lp in plp[1:] if lp is not None]  # type: ignore[arg-type]
+        return [TokenLogprob(ids[0], None, [])] + [lp for lp in plp[1:] if lp is not None]
 
     async def _full(self, body: CompletionRequest, ctx: RequestContext, prompts, streams) -> dict:
         n = body.n
         choices = {p * n + i: Choice(p * n + i) for p in range(len(prompts)) for i in range(n)}
-        lps: dict[int, list] = {k: [] for k in choices}
         cached_by_prompt: dict[int, int] = {}  # each update repeats its prompt's figure
         cached = completion = 0  # running totals: no loop over the choices per output
         num_prompt = sum(len(ids) for _, ids in prompts)
@@ -82,12 +81,10 @@ class ServingCompletion(BaseServing):
             c = choices[p * n + out.index]
             if not c.text and not c.token_ids and body.echo:
                 c.text = prompts[p][0]
-                if body.logprobs is not None:
-                    lps[c.index] = self._echo_logprobs(out, prompts[p][1])
+                if body.logprobs is not None:  # the prompt's logprobs come first
+                    c.logprobs = self._echo_logprobs(out, prompts[p][1])
             completion += out.num_output_tokens - c.num_output_tokens
             c.add(out)
-            if out.logprobs:
-                lps[c.index] += out.logprobs
             if out.index == 0:
                 cached += out.num_cached_tokens - cached_by_prompt.get(p, 0)
                 cached_by_prompt[p] = out.num_cached_tokens
@@ -95,7 +92,7 @@ class ServingCompletion(BaseServing):
         usage = self.usage(num_prompt, cached, completion)
         rendered = {}
         if body.logprobs is not None:  # a whole prompt's worth with echo: off the event loop
-            rendered = await asyncio.to_thread(lambda: {k: self._logprobs(v, 0) for k, v in lps.items()})
+            rendered = await asyncio.to_thread(lambda: {k: self._logprobs(c.logprobs, 0) for k, c in choices.items()})
         return {
             "id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.model_name,
             "choices": [{
