@@ -49,7 +49,8 @@ def _fail(message: str) -> None:
 def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_gb: Optional[float],
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
                   enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8,
-                  kv_cache_dtype: str = "auto", max_n: int = 16, max_body_mb: float = 8.0):
+                  kv_cache_dtype: str = "auto", max_n: int = 16, max_body_mb: float = 8.0,
+                  batch_share: float = 0.1):
     from tokenmill.engine.api import CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig
 
     return EngineConfig(
@@ -57,7 +58,7 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
         cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb,
                           enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  decode_steps=decode_steps),
+                                  decode_steps=decode_steps, batch_share=batch_share),
         max_model_len=max_model_len,
         num_threads=num_threads,
         bounds=RequestBounds(max_n=max_n, max_body_bytes=int(max_body_mb * 1024 * 1024)),
@@ -129,6 +130,16 @@ def serve(
     cards: Optional[str] = typer.Option(None, "--cards", help="Rate card file or folder (default: shipped)."),
     usd_per_hour: Optional[float] = typer.Option(None, "--usd-per-hour",
                                                  help="This machine's cost, for a self-hosted card."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir",
+                                           help="Where Batch API files and batches are kept (default: "
+                                                "~/.local/share/tokenmill/server-PORT)."),
+    batch_api: bool = typer.Option(True, "--batch-api/--no-batch-api", help="Serve /v1/files and /v1/batches."),
+    batch_inflight: int = typer.Option(64, "--batch-inflight",
+                                       help="Batch lines handed to the engine at once (it runs them after "
+                                            "interactive work)."),
+    batch_share: float = typer.Option(0.1, "--batch-share",
+                                      help="While interactive requests run, the share of each step's sequences "
+                                           "and tokens batch requests may still take (so they never starve)."),
     engine_mode: str = typer.Option("process", "--engine",
                                     help="Where the step loop runs: process (a child process; measured faster) or thread."),
     log_level: str = typer.Option("info", "--log-level"),
@@ -164,14 +175,26 @@ def serve(
                                 max_work_tokens=max_work_tokens)
     except (CardError, ValueError) as exc:
         _fail(str(exc))
-    policy = ServicePolicy(keys=keys, defaults=defaults, card=card,
+    batch_store = None
+    if batch_api:
+        from tokenmill.batch.runner import BatchLimits
+        from tokenmill.batch.store import BatchStore, StoreLocked, default_data_dir
+
+        try:
+            batch_store = BatchStore(data_dir or default_data_dir(port))
+        except (StoreLocked, OSError) as exc:
+            _fail(f"{exc} (pass another --data-dir, or --no-batch-api)")
+        if batch_inflight < 1:
+            _fail("--batch-inflight must be at least 1")
+    policy = ServicePolicy(keys=keys, defaults=defaults, card=card, batch_store=batch_store,
+                           batch=BatchLimits(max_inflight=batch_inflight) if batch_api else BatchLimits(),
                            admission=AdmissionConfig(max_waiting_interactive=max_waiting,
                                                      max_waiting_batch=max_waiting_batch))
     try:
         dtype, quantization = resolve_precision(dtype, quantization)
         config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                                max_model_len, block_size, prefix_caching, num_threads, decode_steps,
-                               kv_cache_dtype, max_n, max_body_mb)
+                               kv_cache_dtype, max_n, max_body_mb, batch_share)
     except ValueError as exc:
         _fail(str(exc))
     if engine_mode not in ENGINE_MODES:

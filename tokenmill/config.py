@@ -51,10 +51,23 @@ class SchedulerConfig:
     # as long as this many one-sequence steps (~4 ms each): tokens stream in bursts, and a
     # request arriving meanwhile waits for the burst's end. 1: one step at a time.
     decode_steps: int = 8
+    # While interactive requests are in the engine, batch-class requests may take at most
+    # this share of a step's sequences and of its token budget (at least one of each, so
+    # they never starve); with no interactive work they take all of it. A batch prefill
+    # chunk in a step with interactive decodes is what would stretch their inter-token
+    # latency, so the share bounds that.
+    batch_share: float = 0.1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.decode_steps < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and decode_steps must be positive")
+        if not 0.0 < self.batch_share <= 1.0:
+            raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
+
+    def batch_caps(self) -> tuple[int, int]:
+        """(sequences, tokens) batch requests may have in one step beside interactive ones."""
+        return (max(1, int(self.batch_share * self.max_num_seqs)),
+                max(1, int(self.batch_share * self.max_num_batched_tokens)))
 
 
 KV_CACHE_DTYPES = ("auto", "int8")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.api import Priority, SamplingParams
 from tokenmill.engine.parallel import SampleGroups
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kv.manager import KVCacheManager
@@ -146,6 +146,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: dict[str, tuple[Request, int]] = {}
 
+        # Batch work beside interactive work is held to its share (SchedulerConfig.batch_share).
+        live = (self.waiting.count(Priority.INTERACTIVE) > 0
+                or any(r.priority == Priority.INTERACTIVE for r in self.running))
+        batch_seqs, batch_tokens = self.config.batch_caps() if live else (len(self.running) + len(self.waiting),
+                                                                           budget)
+
         # Running requests: decodes first, then unfinished prefill chunks.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         chunks = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
@@ -156,10 +162,19 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.priority == Priority.BATCH:
+                if batch_seqs <= 0 or batch_tokens <= 0:
+                    continue  # it keeps its blocks and its place; it runs when there is room
+                num_new = min(num_new, batch_tokens)
+                batch_seqs -= 1
+                batch_tokens -= num_new
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.admit_seq))
                 if victim.request_id in chosen:
-                    budget += chosen.pop(victim.request_id)[1]
+                    given = chosen.pop(victim.request_id)[1]
+                    budget += given
+                    if victim.priority == Priority.BATCH:
+                        batch_seqs, batch_tokens = batch_seqs + 1, batch_tokens + given
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
@@ -176,6 +191,11 @@ class Scheduler:
             for req in self.waiting.iter_fair(per_tenant):
                 if budget <= 0:
                     break
+                room = budget
+                if req.priority == Priority.BATCH:
+                    if batch_seqs <= 0 or batch_tokens <= 0:
+                        break  # only batch requests are left in the queue
+                    room = min(budget, batch_tokens)
                 if len(self.running) >= self.config.max_num_seqs:
                     victim = self._slot_victim(req, per_tenant)
                     if victim is None:
@@ -185,10 +205,30 @@ class Scheduler:
                     self._preempt(victim)
                     per_tenant[victim.tenant] -= 1
                     out.preempted_ids.append(victim.request_id)
-                if not self._admit(req, budget, chosen, now):
+                admitted = self._admit(req, room, chosen, now)
+                while not admitted and self.groups.gate(req).ready:
+                    # no blocks for it: a lower class gives up its blocks (recomputed later)
+                    victim = max((r for r in self.running if r.priority > req.priority),
+                                 key=lambda r: r.admit_seq, default=None)
+                    if victim is None:
+                        break
+                    if victim.request_id in chosen:
+                        given = chosen.pop(victim.request_id)[1]
+                        budget += given
+                        batch_seqs += 1
+                        batch_tokens += given
+                        room = budget if req.priority != Priority.BATCH else min(budget, batch_tokens)
+                    self._preempt(victim)
+                    per_tenant[victim.tenant] -= 1
+                    out.preempted_ids.append(victim.request_id)
+                    admitted = self._admit(req, room, chosen, now)
+                if not admitted:
                     if self.groups.gate(req).ready:
                         break  # no room for the head of the queue: don't let others jump it
                     continue
+                if req.priority == Priority.BATCH:
+                    batch_seqs -= 1
+                    batch_tokens -= chosen[req.request_id][1]
                 budget -= chosen[req.request_id][1]
                 per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
 

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill.batch.runner import BatchLimits
 from tokenmill.engine.api import EngineClient, RequestBounds
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
@@ -52,6 +53,8 @@ class ServicePolicy:
     defaults: TenantLimits = field(default_factory=TenantLimits)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     card: object | None = None  # tokenmill.cost.RateCard used for usage.cost (None: no pricing)
+    batch_store: object | None = None  # tokenmill.batch.store.BatchStore (None: no Batch API)
+    batch: BatchLimits = field(default_factory=BatchLimits)
 
 
 class ServerState:
@@ -93,9 +96,10 @@ class Frontdoor:
     - when the exchange ends, however it ends, the request's settlement runs."""
 
     def __init__(self, app: ASGIApp, state: ServerState, metrics: Metrics, gate: Gate,
-                 keys: KeyStore | None, open_tenant: Tenant, max_body_bytes: int):
+                 keys: KeyStore | None, open_tenant: Tenant, max_body_bytes: int, upload_bytes: int | None = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.upload_bytes = upload_bytes  # POST /v1/files (multipart overhead included)
         self.state = state
         self.metrics = metrics
         self.gate = gate
@@ -137,9 +141,12 @@ class Frontdoor:
         if is_api and tenant is None:
             await APIError(401, AUTH_ERROR, code="invalid_api_key").response()(scope, receive, send_wrapper)
             return
-        too_large = APIError(413, f"the request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        limit = self.max_body_bytes
+        if self.upload_bytes is not None and scope["path"] == "/v1/files":
+            limit = self.upload_bytes
+        too_large = APIError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
         length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        if length is not None and (not length.isdigit() or int(length) > limit):
             await too_large.response()(scope, receive, send_wrapper)
             return
         received = 0
@@ -150,8 +157,8 @@ class Frontdoor:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise _BodyTooLarge(self.max_body_bytes)
+                if received > limit:
+                    raise _BodyTooLarge(limit)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -229,6 +236,14 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     chat = ServingChat(engine, engine.tokenizer, model_name, metrics)
     completion = ServingCompletion(engine, engine.tokenizer, model_name, metrics)
 
+    runner = None
+    if policy.batch_store is not None:
+        from tokenmill.batch.runner import BatchRunner
+        from tokenmill.server.batch_api import ServerLineExecutor, add_batch_routes
+
+        executor = ServerLineExecutor(chat, completion, gate, pricer, policy.keys, Tenant(ANONYMOUS, policy.defaults))
+        runner = BatchRunner(policy.batch_store, executor, policy.batch)
+
     def engine_gave_up() -> None:
         if state.on_fatal is not None:
             state.on_fatal()
@@ -238,11 +253,16 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         engine.on_give_up = engine_gave_up
         await engine.start()
         lag = asyncio.ensure_future(watch_loop_lag(metrics))
+        if runner is not None:
+            await runner.start()
         log.info("serving %s", model_name)
         try:
             yield
         finally:
             lag.cancel()
+            if runner is not None:
+                await runner.stop()
+                runner.store.close()
             await engine.stop()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
@@ -282,6 +302,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serve(raw, body, completion, "cmpl")
 
+    if runner is not None:
+        add_batch_routes(app, runner.store, runner, policy.batch)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
@@ -306,7 +329,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
 
     app.add_middleware(Frontdoor, state=state, metrics=metrics, gate=gate, keys=policy.keys,
                        open_tenant=Tenant(ANONYMOUS, policy.defaults),
-                       max_body_bytes=engine.bounds.max_body_bytes)
+                       max_body_bytes=engine.bounds.max_body_bytes,
+                       upload_bytes=policy.batch.max_file_bytes + (1 << 20) if runner is not None else None)
     return app
 
 

@@ -11,6 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.api import AdmissionError, EngineDeadError, InvalidParameter
@@ -52,36 +53,43 @@ def _loc_to_param(loc: tuple) -> str | None:
     return parts[0] if parts else None
 
 
+def validation_error(errors: list) -> APIError:
+    """A pydantic validation failure as the 400 naming the field at fault."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON")
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "missing":
+        msg = f"missing required parameter: {param!r}"
+    elif param:
+        msg = f"invalid value for {param!r}: {msg}"
+    return APIError(400, msg, param=param)
+
+
+def as_api_error(exc: Exception) -> APIError | None:
+    """The client-facing error for an exception a request can raise, or None for a bug."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidParameter):
+        return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, AdmissionError):
+        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"})
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        return validation_error(exc.errors())
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
     @app.exception_handler(InvalidParameter)
-    async def _invalid(_: Request, exc: InvalidParameter) -> JSONResponse:
-        return APIError(400, str(exc), param=exc.param).response()
-
     @app.exception_handler(AdmissionError)
-    async def _admission(_: Request, exc: AdmissionError) -> JSONResponse:
-        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded").response()
-
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}).response()
-
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return APIError(400, "the request body is not valid JSON").response()
-        param = _loc_to_param(tuple(first.get("loc", ())))
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "missing":
-            msg = f"missing required parameter: {param!r}"
-        elif param:
-            msg = f"invalid value for {param!r}: {msg}"
-        return APIError(400, msg, param=param).response()
+    async def _client_error(_: Request, exc: Exception) -> JSONResponse:
+        return as_api_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

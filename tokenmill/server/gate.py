@@ -141,6 +141,21 @@ class Gate:
         if timeout_s is not None:
             ctx.deadline = time.monotonic() + timeout_s
 
+    def admit_batch_line(self, ctx, tenant: Tenant) -> None:
+        """A Batch API line: the batch class, the tenant's per-request caps (applied in
+        admit_tokens) and its spend budget, but not its live rate limits, concurrency or
+        queue bounds: the batch runner paces its own lines."""
+        tenant = Tenant(tenant.name, merge_limits(tenant.limits, self.defaults))
+        st = self.state(tenant)
+        ctx.tenant = tenant.name
+        ctx.limits = tenant.limits
+        ctx.priority = Priority.BATCH
+        ctx.rate_limited = False
+        ctx.gate = self
+        refusal = self.ledger.check(tenant.name)
+        if refusal is not None:
+            raise self._429(st, refusal.message(), "spend_budget_exceeded", refusal.retry_after_s)
+
     def _check_queue(self, priority: int, timeout_s: float | None) -> None:
         s = self.stats()
         waiting = s.num_waiting_interactive if priority == Priority.INTERACTIVE else s.num_waiting_batch
@@ -188,6 +203,8 @@ class Gate:
             params = dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
         total = num_prompt + cap * params.n
         res = Reservation(prompt=num_prompt)
+        if not ctx.rate_limited:
+            return params
         if st.tokens is not None:
             wait = st.tokens.try_take(total)
             if wait is not None:

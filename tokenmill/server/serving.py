@@ -36,6 +36,7 @@ class RequestContext:
     priority: int = Priority.INTERACTIVE
     deadline: float | None = None  # time.monotonic() after which the work is abandoned
     gate: Any = None  # the Gate that admitted it, for the token phase
+    rate_limited: bool = True  # False for Batch API lines: the runner paces them, not the tenant's buckets
     usage: dict[str, Any] | None = None  # the latest usage (partial while streaming)
     usage_hooks: list[Callable[[RequestContext, dict[str, Any]], None]] = field(default_factory=list)
     finalizers: list[Callable[[dict[str, Any] | None], None]] = field(default_factory=list)

@@ -20,6 +20,22 @@ from tokenmill.server.serving import (BaseServing, RequestContext, json_response
 
 class ServingChat(BaseServing):
     async def create(self, body: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
+        if not body.stream:
+            return json_response(await run_until_disconnected(raw, self.complete(body, ctx)))
+        ids, params = await self.prepare_body(body, ctx)
+        stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return streaming_response(sse_with_errors(self._stream(body, ctx, stream, len(ids), include_usage)))
+
+    async def complete(self, body: ChatCompletionRequest, ctx: RequestContext) -> dict[str, Any]:
+        """The whole answer as one JSON body (what a batch line gets, too)."""
+        ids, params = await self.prepare_body(body, ctx)
+        stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
+        return self.check_deadline(await self._full(body, ctx, stream, len(ids)))
+
+    async def prepare_body(self, body: ChatCompletionRequest, ctx: RequestContext) -> tuple[list[int], Any]:
+        """Everything checked and the prompt tokenized: (prompt ids, params to run). With
+        no gate on ctx this is only the check (a batch line's validation)."""
         self.check_model(body.model)
         bounds = self.engine.bounds
         if len(body.messages) > bounds.max_messages:
@@ -33,13 +49,7 @@ class ServingChat(BaseServing):
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
         ids = await self.encode(text, "messages", add_special_tokens=False)
-        params = self.prepare(ctx, [ids], body.sampling_params(), body.param_renames())
-        stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return streaming_response(sse_with_errors(self._stream(body, ctx, stream, len(ids), include_usage)))
-        return json_response(self.check_deadline(
-            await run_until_disconnected(raw, self._full(body, ctx, stream, len(ids)))))
+        return ids, self.prepare(ctx, [ids], body.sampling_params(), body.param_renames())
 
     def _with_tools(self, body: ChatCompletionRequest, messages: list[dict[str, Any]]):
         """(messages, tools) for the template: as they are if it has a tools branch, else

@@ -34,22 +34,35 @@ class ServingCompletion(BaseServing):
         return [("", list(ids)) for ids in prompt]
 
     async def create(self, body: CompletionRequest, raw: Request, ctx: RequestContext) -> Response:
+        if not body.stream:
+            return json_response(await run_until_disconnected(raw, self.complete(body, ctx)))
+        prompts, streams = await self._start(body, ctx)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return streaming_response(sse_with_errors(self._stream(body, ctx, prompts, streams, include_usage)))
+
+    async def complete(self, body: CompletionRequest, ctx: RequestContext) -> dict[str, Any]:
+        """The whole answer as one JSON body (what a batch line gets, too)."""
+        prompts, streams = await self._start(body, ctx)
+        return self.check_deadline(await self._full(body, ctx, prompts, streams))
+
+    async def prepare_body(self, body: CompletionRequest, ctx: RequestContext):
+        """Everything checked and the prompts tokenized: ([(text, ids)], params to run).
+        With no gate on ctx this is only the check (a batch line's validation)."""
         self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
         prompts = await self._prompts(body.prompt)
-        params = self.prepare(ctx, [ids for _, ids in prompts], body.sampling_params(), body.param_renames())
+        return prompts, self.prepare(ctx, [ids for _, ids in prompts], body.sampling_params(), body.param_renames())
+
+    async def _start(self, body: CompletionRequest, ctx: RequestContext):
+        prompts, params = await self.prepare_body(body, ctx)
         if body.echo and not isinstance(body.prompt, str) and not isinstance(body.prompt[0], str):
             prompts = [(await asyncio.to_thread(self.tokenizer.decode, ids, skip_special_tokens=False), ids)
                        for _, ids in prompts]
         streams = [self.generate(ctx, ctx.request_id if len(prompts) == 1 else f"{ctx.request_id}-{p}", ids,
                                  params, body.cache_salt)
                    for p, (_, ids) in enumerate(prompts)]
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return streaming_response(sse_with_errors(self._stream(body, ctx, prompts, streams, include_usage)))
-        return json_response(self.check_deadline(
-            await run_until_disconnected(raw, self._full(body, ctx, prompts, streams))))
+        return prompts, streams
 
     # -- logprobs in the legacy shape ---------------------------------------------------
     def _logprobs(self, lps: list[TokenLogprob], start_offset: int) -> dict[str, Any]:
