@@ -317,10 +317,12 @@ from tokenmill.cost.cli import cost_app  # noqa: E402  (light: typer and the std
 
 from tokenmill.bench.cli import bench  # noqa: E402  (HTTP only: no torch import)
 from tokenmill.server.keys_cli import keys_app  # noqa: E402
+from tokenmill.batch.cli import batch_app  # noqa: E402  (HTTP only)
 
 app.command("bench", help="Load-test any OpenAI-compatible server and report latency, throughput, goodput.")(bench)
 app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, cost self-hosting.")
 app.add_typer(keys_app, name="keys", help="Manage tenants and API keys.")
+app.add_typer(batch_app, name="batch", help="Submit and follow Batch API jobs (OpenAI's /v1/batches).")
 
 
 def main() -> None:  # pragma: no cover

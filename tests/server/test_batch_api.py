@@ -270,3 +270,32 @@ def test_batch_survives_three_kill_9s(tmp_path):
         assert max(attempts) >= 2  # some lines were cut by a kill and run again
     finally:
         srv.stop()
+
+
+def test_cli_submit_wait_status_results(server, tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    lines = [_chat_line(i, max_tokens=5) for i in range(5)]
+    src.write_bytes(_jsonl(lines))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "tokenmill.cli", "batch", *args, "--url", server.url],
+                              capture_output=True, text=True, timeout=300)
+
+    r = cli("submit", str(src), "--wait", "--metadata", "job=nightly")
+    assert r.returncode == 0, r.stderr
+    batch_id = r.stdout.strip()
+    assert batch_id.startswith("batch_") and "completed" in r.stderr and "5/5 done" in r.stderr
+    r = cli("status", batch_id, "--json")
+    assert json.loads(r.stdout)["metadata"] == {"job": "nightly"}
+    out = tmp_path / "out.jsonl"
+    r = cli("results", batch_id, "-o", str(out))
+    assert r.returncode == 0 and sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == \
+        sorted(x["custom_id"] for x in lines)
+    assert batch_id in cli("list").stdout
+    r = cli("cancel", batch_id)
+    assert r.returncode == 1 and "409" in r.stderr and "completed" in r.stderr
+    r = cli("status", "batch_nope")
+    assert r.returncode == 1 and "404" in r.stderr
