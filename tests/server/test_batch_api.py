@@ -51,7 +51,7 @@ def _records(client, file_id: str | None) -> list[dict]:
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x.strip()]
 
 
-def test_batch_answers_equal_live_answers(client):
+def test_batch_answers_equal_live_answers(client, server):
     lines = [_chat_line(i) for i in range(200)]
     b = _submit(client, lines)
     assert b.status == "validating" and b.endpoint == "/v1/chat/completions"
@@ -82,6 +82,10 @@ def test_batch_answers_equal_live_answers(client):
     assert page.data[0].id == b.id
     # the output file is a file of this tenant's, downloadable again
     assert client.files.retrieve(b.output_file_id).purpose == "batch_output"
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    ok = [x for x in text.splitlines() if x.startswith('tokenmill_batch_lines_total{outcome="ok"}')]
+    assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 200
+    assert 'tokenmill_batches{status="completed"}' in text
 
 
 def test_completions_batch_and_files_api(client):

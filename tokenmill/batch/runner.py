@@ -146,6 +146,7 @@ class BatchRunner:
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, dict[int, asyncio.Task]] = {}  # batch id -> line -> task
         self._validating: dict[str, asyncio.Task] = {}
+        self.lines_finished = {"ok": 0, "error": 0, "rerun": 0}  # since start, for /metrics
 
     @property
     def num_inflight(self) -> int:
@@ -262,8 +263,11 @@ class BatchRunner:
             if outcome.retry and line.attempts < self.limits.max_attempts:
                 await asyncio.sleep(min(5.0, 0.5 * line.attempts))  # the engine is restarting
                 self.store.release(line)
+                self.lines_finished["rerun"] += 1
                 return
-            self.store.finish(line, self._result(line, outcome))
+            result = self._result(line, outcome)
+            if self.store.finish(line, result):
+                self.lines_finished["ok" if result.ok else "error"] += 1
         except asyncio.CancelledError:
             pass
         except Exception:

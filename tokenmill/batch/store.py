@@ -356,6 +356,9 @@ class BatchStore:
                 yield r["line"], r["custom_id"], r["result"]
             last = rows[-1]["line"]
 
+    def status_counts(self) -> dict[str, int]:
+        return {r["status"]: r["n"] for r in self._query("SELECT status, COUNT(*) AS n FROM batches GROUP BY status")}
+
     # -- listing --------------------------------------------------------------------------
     def _page(self, table: str, tenant: str, after: str | None, limit: int, order: str,
               where: tuple[str, Any] | None, conv) -> tuple[list[dict[str, Any]], bool]:

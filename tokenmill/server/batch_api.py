@@ -97,6 +97,30 @@ class ServerLineExecutor:
                            output_tokens=usage.get("completion_tokens", 0), cost_usd=cost, cost_card=card)
 
 
+class BatchCollector:
+    """Batch API gauges for /metrics, read at scrape time."""
+
+    def __init__(self, store: BatchStore, runner: BatchRunner):
+        self.store = store
+        self.runner = runner
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield GaugeMetricFamily("tokenmill_batch_lines_inflight", "Batch lines handed to the engine now.",
+                                value=self.runner.num_inflight)
+        lines = CounterMetricFamily("tokenmill_batch_lines", "Batch lines ended since the server started: ok "
+                                    "(output file), error (error file), rerun (cut by the engine dying).",
+                                    labels=["outcome"])
+        for outcome, n in self.runner.lines_finished.items():
+            lines.add_metric([outcome], n)
+        yield lines
+        batches = GaugeMetricFamily("tokenmill_batches", "Batches in the store by status.", labels=["status"])
+        for status, n in sorted(self.store.status_counts().items()):
+            batches.add_metric([status], n)
+        yield batches
+
+
 def _tenant(raw: Request) -> Tenant:
     return raw.scope["state"]["tenant"]
 
@@ -115,6 +139,7 @@ def _limit(value: str | None) -> int:
 
 
 def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner, limits: BatchLimits) -> None:
+    app.state.metrics.registry.register(BatchCollector(store, runner))
     # Plain routes: an upload is multipart, not the JSON body the bounded route class reads.
     router = APIRouter(route_class=APIRoute)
 
