@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -35,11 +36,17 @@ def _start(url, max_tokens):
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_and_exits_zero():
-    srv = ServerProcess("--shutdown-timeout", "60").wait_ready()
+@pytest.mark.parametrize("to", ["server", "group"])
+def test_sigterm_drains_in_flight_and_exits_zero(to):
+    # "group": Ctrl-C or a service manager signals every process of the group, the engine
+    # child too; it must leave the shutdown to the server, not die and be restarted.
+    srv = ServerProcess("--shutdown-timeout", "60", "--log-level", "info", new_session=True).wait_ready()
     try:
         t, out = _start(srv.url, 400)  # still decoding after the 0.3 s below, even at ~150 tok/s
-        srv.proc.send_signal(signal.SIGTERM)
+        if to == "group":
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+        else:
+            srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
@@ -47,6 +54,8 @@ def test_sigterm_drains_in_flight_and_exits_zero():
         t.join(120)
         assert out[-1]["finish_reason"] == "length"  # the in-flight request finished normally
         assert srv.proc.wait(60) == 0
+        log = srv.proc.stdout.read()
+        assert "restarting" not in log and "engine process failed" not in log, log[-2000:]
     finally:
         srv.stop()
 

@@ -57,6 +57,11 @@ def _die_with_parent(parent_pid: int, lifeline: Any) -> None:
 
 def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, parent_pid: int) -> None:
     _die_with_parent(parent_pid, lifeline)
+    # Ctrl-C, or a service manager's SIGTERM, goes to the whole process group: the
+    # parent drains its requests and then stops this child itself. Dying on the signal
+    # would fail the requests being drained and have the parent restart the engine.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.model.loader import load_model
 
