@@ -62,7 +62,7 @@ def tiny_loaded(vocab: int = 300, layers: int = 2, hidden: int = 32, heads: int 
 def make_engine(loaded, *, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 512, prefix_caching: bool = True, max_model_len=None,
                 native_attention: bool = True, decode_steps: int = 8, kv_cache_dtype: str = "auto",
-                batch_share: float = 0.1):
+                batch_share: float = 0.05, batch_step_tokens: int = 16):
     from tokenmill.config import CacheConfig, EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.config import SchedulerConfig
@@ -71,7 +71,8 @@ def make_engine(loaded, *, num_blocks: int = 256, block_size: int = 16, max_num_
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
                           kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  decode_steps=decode_steps, batch_share=batch_share),
+                                  decode_steps=decode_steps, batch_share=batch_share,
+                                  batch_step_tokens=batch_step_tokens),
         max_model_len=max_model_len, native_attention=native_attention)
     return LLMEngine(loaded, cfg)
 

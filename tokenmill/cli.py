@@ -50,7 +50,7 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
                   enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8,
                   kv_cache_dtype: str = "auto", max_n: int = 16, max_body_mb: float = 8.0,
-                  batch_share: float = 0.1):
+                  batch_share: float = 0.05, batch_step_tokens: int = 16):
     from tokenmill.engine.api import CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig
 
     return EngineConfig(
@@ -58,7 +58,8 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
         cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb,
                           enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  decode_steps=decode_steps, batch_share=batch_share),
+                                  decode_steps=decode_steps, batch_share=batch_share,
+                                  batch_step_tokens=batch_step_tokens),
         max_model_len=max_model_len,
         num_threads=num_threads,
         bounds=RequestBounds(max_n=max_n, max_body_bytes=int(max_body_mb * 1024 * 1024)),
@@ -134,12 +135,15 @@ def serve(
                                            help="Where Batch API files and batches are kept (default: "
                                                 "~/.local/share/tokenmill/server-PORT)."),
     batch_api: bool = typer.Option(True, "--batch-api/--no-batch-api", help="Serve /v1/files and /v1/batches."),
-    batch_inflight: int = typer.Option(64, "--batch-inflight",
+    batch_inflight: int = typer.Option(16, "--batch-inflight",
                                        help="Batch lines handed to the engine at once (it runs them after "
                                             "interactive work)."),
-    batch_share: float = typer.Option(0.1, "--batch-share",
-                                      help="While interactive requests run, the share of each step's sequences "
-                                           "and tokens batch requests may still take (so they never starve)."),
+    batch_share: float = typer.Option(0.05, "--batch-share",
+                                      help="While interactive requests run, batch requests get this share of "
+                                           "the tokens steps process (so they never starve)."),
+    batch_step_tokens: int = typer.Option(16, "--batch-step-tokens",
+                                          help="With no interactive work, the most tokens of a batch-only step "
+                                               "(an interactive request that arrives waits for it)."),
     engine_mode: str = typer.Option("process", "--engine",
                                     help="Where the step loop runs: process (a child process; measured faster) or thread."),
     log_level: str = typer.Option("info", "--log-level"),
@@ -194,7 +198,7 @@ def serve(
         dtype, quantization = resolve_precision(dtype, quantization)
         config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                                max_model_len, block_size, prefix_caching, num_threads, decode_steps,
-                               kv_cache_dtype, max_n, max_body_mb, batch_share)
+                               kv_cache_dtype, max_n, max_body_mb, batch_share, batch_step_tokens)
     except ValueError as exc:
         _fail(str(exc))
     if engine_mode not in ENGINE_MODES:

@@ -51,23 +51,25 @@ class SchedulerConfig:
     # as long as this many one-sequence steps (~4 ms each): tokens stream in bursts, and a
     # request arriving meanwhile waits for the burst's end. 1: one step at a time.
     decode_steps: int = 8
-    # While interactive requests are in the engine, batch-class requests may take at most
-    # this share of a step's sequences and of its token budget (at least one of each, so
-    # they never starve); with no interactive work they take all of it. A batch prefill
-    # chunk in a step with interactive decodes is what would stretch their inter-token
-    # latency, so the share bounds that.
-    batch_share: float = 0.1
+    # While interactive requests are in the engine, batch-class requests get this share
+    # of the tokens steps process: each interactive token scheduled earns batch work
+    # `batch_share` of a token, spent a token (a decode row or a prefill token) at a
+    # time, and at most `batch_burst_tokens` in one step. On a CPU every row adds to the
+    # step's time, so this is the share of live steps' time batch work may take: small,
+    # but never nothing, so batch work does not starve. With no interactive work, batch
+    # work takes steps of at most `batch_step_tokens` tokens: an interactive request that
+    # arrives waits for the step in progress, so a short one keeps its TTFT.
+    batch_share: float = 0.05
+    batch_burst_tokens: int = 4
+    batch_step_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.decode_steps < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and decode_steps must be positive")
         if not 0.0 < self.batch_share <= 1.0:
             raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
-
-    def batch_caps(self) -> tuple[int, int]:
-        """(sequences, tokens) batch requests may have in one step beside interactive ones."""
-        return (max(1, int(self.batch_share * self.max_num_seqs)),
-                max(1, int(self.batch_share * self.max_num_batched_tokens)))
+        if self.batch_burst_tokens < 1 or self.batch_step_tokens < 1:
+            raise ValueError("batch_burst_tokens and batch_step_tokens must be positive")
 
 
 KV_CACHE_DTYPES = ("auto", "int8")

@@ -33,8 +33,8 @@ def _record_steps(engine):
 
 
 def test_batch_share_bounds_batch_work_beside_interactive(tiny):
-    engine = make_engine(tiny, max_num_seqs=8, max_num_batched_tokens=64, batch_share=0.25, decode_steps=1)
-    assert engine.scheduler.config.batch_caps() == (2, 16)
+    engine = make_engine(tiny, max_num_seqs=8, max_num_batched_tokens=64, batch_share=0.25, decode_steps=1,
+                         batch_step_tokens=24)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     batch = {f"b{i}": (_prompt(30, i), sp) for i in range(6)}
     alone, _, _ = run_to_completion(make_engine(tiny), dict(batch))
@@ -44,8 +44,9 @@ def test_batch_share_bounds_batch_work_beside_interactive(tiny):
     outputs: dict[str, list[int]] = {}
     for o in engine.step():
         outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert sum(n for _, n in steps[-1]) == 64  # alone, batch work takes the whole budget
+    assert sum(n for _, n in steps[-1]) == 24  # alone, batch steps are batch_step_tokens long
     live = 0
+    totals = {"b": 0, "i": 0}
     while engine.has_unfinished():
         if not any(r.priority == Priority.INTERACTIVE for r in engine.scheduler.requests.values()):
             engine.add_request(f"i{live}", _prompt(20, 50 + live), SamplingParams(temperature=0, max_tokens=6))
@@ -53,12 +54,14 @@ def test_batch_share_bounds_batch_work_beside_interactive(tiny):
         for o in engine.step():
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
         step = steps[-1]
-        batch_part = [(rid, n) for rid, n in step if rid.startswith("b")]
-        if any(rid.startswith("i") for rid, _ in step):
-            assert len(batch_part) <= 2 and sum(n for _, n in batch_part) <= 16, step
-        unfinished = [r for r in engine.scheduler.requests.values() if r.priority == Priority.BATCH]
-        assert batch_part or not unfinished, "batch work must not starve while interactive requests keep coming"
-    assert live > 3
+        for rid, n in step:
+            totals[rid[0]] += n
+        batch_part = sum(n for rid, n in step if rid.startswith("b"))
+        assert batch_part <= engine.scheduler.config.batch_burst_tokens, step
+        # at most the share of interactive tokens so far (and one burst of credit)
+        assert totals["b"] <= 0.25 * totals["i"] + 4
+    assert live > 10  # interactive requests kept coming, and the batch still finished
+    assert totals["b"] >= 0.15 * totals["i"]  # most of its share (credit beyond one burst is dropped)
     for rid in batch:  # held back, preempted or not, the answer is the same
         assert outputs[rid] == alone[rid][0]
     engine.kv.check_integrity()

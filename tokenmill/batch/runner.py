@@ -31,7 +31,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 class BatchLimits:
     max_lines: int = 50_000
     max_file_bytes: int = 200 * 1024 * 1024
-    max_inflight: int = 64  # lines handed to the engine at once (it schedules them as batch class)
+    max_inflight: int = 16  # lines handed to the engine at once (it schedules them as batch class)
     max_window_s: float = 7 * 86400.0
     max_attempts: int = 5
 

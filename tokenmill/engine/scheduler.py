@@ -120,6 +120,7 @@ class Scheduler:
         self._arrivals = 0
         self._admissions = 0
         self.num_preemptions = 0
+        self._batch_credit = 0.0  # batch tokens earned by interactive ones (see schedule)
 
     # -- admission ----------------------------------------------------------------------
     @property
@@ -146,11 +147,16 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: dict[str, tuple[Request, int]] = {}
 
-        # Batch work beside interactive work is held to its share (SchedulerConfig.batch_share).
+        # Batch work beside interactive work is held to its share (SchedulerConfig.batch_share):
+        # it spends credit earned by interactive tokens, one token per row or prefill token.
         live = (self.waiting.count(Priority.INTERACTIVE) > 0
                 or any(r.priority == Priority.INTERACTIVE for r in self.running))
-        batch_seqs, batch_tokens = self.config.batch_caps() if live else (len(self.running) + len(self.waiting),
-                                                                           budget)
+        if live:
+            batch_tokens = min(int(self._batch_credit), self.config.batch_burst_tokens)
+        else:  # a short step: an interactive request arriving now waits for its end
+            self._batch_credit = 0.0  # credit is earned beside live work, not saved up for it
+            batch_tokens = min(budget, self.config.batch_step_tokens)
+        batch_start = batch_tokens
 
         # Running requests: decodes first, then unfinished prefill chunks.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -163,10 +169,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.priority == Priority.BATCH:
-                if batch_seqs <= 0 or batch_tokens <= 0:
+                if batch_tokens <= 0:
                     continue  # it keeps its blocks and its place; it runs when there is room
                 num_new = min(num_new, batch_tokens)
-                batch_seqs -= 1
                 batch_tokens -= num_new
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.admit_seq))
@@ -174,7 +179,7 @@ class Scheduler:
                     given = chosen.pop(victim.request_id)[1]
                     budget += given
                     if victim.priority == Priority.BATCH:
-                        batch_seqs, batch_tokens = batch_seqs + 1, batch_tokens + given
+                        batch_tokens += given
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
@@ -193,7 +198,7 @@ class Scheduler:
                     break
                 room = budget
                 if req.priority == Priority.BATCH:
-                    if batch_seqs <= 0 or batch_tokens <= 0:
+                    if batch_tokens <= 0:
                         break  # only batch requests are left in the queue
                     room = min(budget, batch_tokens)
                 if len(self.running) >= self.config.max_num_seqs:
@@ -215,7 +220,6 @@ class Scheduler:
                     if victim.request_id in chosen:
                         given = chosen.pop(victim.request_id)[1]
                         budget += given
-                        batch_seqs += 1
                         batch_tokens += given
                         room = budget if req.priority != Priority.BATCH else min(budget, batch_tokens)
                     self._preempt(victim)
@@ -227,7 +231,6 @@ class Scheduler:
                         break  # no room for the head of the queue: don't let others jump it
                     continue
                 if req.priority == Priority.BATCH:
-                    batch_seqs -= 1
                     batch_tokens -= chosen[req.request_id][1]
                 budget -= chosen[req.request_id][1]
                 per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
@@ -239,6 +242,12 @@ class Scheduler:
         if (self.config.decode_steps > 1 and not out.preempted_ids and chosen
                 and all(r.num_tokens - r.num_computed_tokens == 1 for r, _ in chosen.values())):
             out.num_steps = self._burst_steps([r for r, _ in chosen.values()])
+
+        if live:
+            interactive = sum(n for r, n in chosen.values() if r.priority == Priority.INTERACTIVE)
+            self._batch_credit = min(self._batch_credit - (batch_start - batch_tokens)
+                                     + self.config.batch_share * interactive * out.num_steps,
+                                     float(self.config.batch_burst_tokens))
 
         # Decodes first in the flat batch; then prefill chunks.
         for req, num_new in sorted(chosen.values(), key=lambda x: x[1] > 1):
