@@ -138,6 +138,8 @@ def serve(
     batch_inflight: int = typer.Option(16, "--batch-inflight",
                                        help="Batch lines handed to the engine at once (it runs them after "
                                             "interactive work)."),
+    batch_max_lines: int = typer.Option(50_000, "--batch-max-lines", help="Most requests in one batch file."),
+    batch_max_file_mb: float = typer.Option(200.0, "--batch-max-file-mb", help="Largest batch file in MB."),
     batch_share: float = typer.Option(0.05, "--batch-share",
                                       help="While interactive requests run, batch requests get this share of "
                                            "the tokens steps process (so they never starve)."),
@@ -179,19 +181,21 @@ def serve(
                                 max_work_tokens=max_work_tokens)
     except (CardError, ValueError) as exc:
         _fail(str(exc))
+    from tokenmill.batch.runner import BatchLimits
+
     batch_store = None
     if batch_api:
-        from tokenmill.batch.runner import BatchLimits
         from tokenmill.batch.store import BatchStore, StoreLocked, default_data_dir
 
         try:
             batch_store = BatchStore(data_dir or default_data_dir(port))
         except (StoreLocked, OSError) as exc:
             _fail(f"{exc} (pass another --data-dir, or --no-batch-api)")
-        if batch_inflight < 1:
-            _fail("--batch-inflight must be at least 1")
+        if batch_inflight < 1 or batch_max_lines < 1 or batch_max_file_mb <= 0:
+            _fail("--batch-inflight, --batch-max-lines and --batch-max-file-mb must be positive")
     policy = ServicePolicy(keys=keys, defaults=defaults, card=card, batch_store=batch_store,
-                           batch=BatchLimits(max_inflight=batch_inflight) if batch_api else BatchLimits(),
+                           batch=BatchLimits(max_inflight=batch_inflight, max_lines=batch_max_lines,
+                                             max_file_bytes=int(batch_max_file_mb * 1e6)),
                            admission=AdmissionConfig(max_waiting_interactive=max_waiting,
                                                      max_waiting_batch=max_waiting_batch))
     try:

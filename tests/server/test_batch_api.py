@@ -193,7 +193,8 @@ def keyed(tmp_path_factory):
     store = KeyStore(db)
     keys = {name: store.add_key(name) for name in ("alice", "bob")}
     store.close()
-    srv = ServerProcess("--keys-db", str(db), "--price-card", "gpt-5.6-sol").wait_ready()
+    srv = ServerProcess("--keys-db", str(db), "--price-card", "gpt-5.6-sol", "--batch-max-lines", "20",
+                        "--batch-max-file-mb", "0.05").wait_ready()
     yield srv, keys
     srv.stop()
 
@@ -216,6 +217,21 @@ def test_tenants_see_only_their_own_files_and_batches(keyed):
     nobody = openai.OpenAI(base_url=srv.url + "/v1", api_key="tm-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         nobody.batches.list()
+
+
+def test_upload_limits(keyed):
+    srv, keys = keyed
+    alice = openai.OpenAI(base_url=srv.url + "/v1", api_key=keys["alice"], max_retries=0)
+    with pytest.raises(openai.BadRequestError) as exc:  # --batch-max-lines 20
+        alice.files.create(file=("a.jsonl", _jsonl([_chat_line(i) for i in range(21)])), purpose="batch")
+    assert "at most 20 lines" in exc.value.message
+    r = httpx.post(srv.url + "/v1/files", headers={"Authorization": f"Bearer {keys['alice']}"},
+                   files={"file": ("big.jsonl", b"x" * 60_000)}, data={"purpose": "batch"})
+    assert r.status_code == 413  # --batch-max-file-mb 0.05
+    assert alice.files.list().data == [] or all(f.bytes < 50_000 for f in alice.files.list().data)
+    r = httpx.post(srv.url + "/v1/files", headers={"Authorization": f"Bearer {keys['alice']}"},
+                   json={"purpose": "batch"})
+    assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
 
 
 def test_batch_lines_are_priced_at_batch_rates(keyed):
