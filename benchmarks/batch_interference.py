@@ -43,7 +43,6 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from servers import CpuWatch, free_port
+from servers import CpuWatch, RunningServer, ServerSpec
 
 from tokenmill.bench.client import ClientConfig, RequestRecord
 from tokenmill.bench.harness import discover_model
@@ -92,60 +91,15 @@ def batch_lines(model: str, n: int, tag: str, min_tokens: int, max_tokens: int) 
 
 
 # -- the server ---------------------------------------------------------------------------
-class Server:
-    """One `tokenmill serve` in its own process group, output to a log file."""
-
-    def __init__(self, extra: list[str], work: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = work / "server.log"
-        args = list(extra)
-        if "--data-dir" not in args:
-            args += ["--data-dir", str(work / "data")]
-        if "--kv-cache-gb" not in args:
-            args += ["--kv-cache-gb", "0.5"]
-        if "--shutdown-timeout" not in args:
-            args += ["--shutdown-timeout", "5"]
-        self.cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port),
-                    "--log-level", "warning", *args]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 600.0) -> None:
-        with open(self.log_path, "wb") as log:
-            log.write(("$ " + shlex.join(self.cmd) + "\n").encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}:\n"
-                                   + self.log_path.read_text(errors="replace")[-3000:])
-            try:
-                if httpx.get(self.url + "/ready", timeout=2, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout:.0f} s; see {self.log_path}")
-
-    def stop(self) -> None:
-        """SIGTERM to the server alone (it stops its engine process itself: a SIGTERM to the
-        whole group reaches the engine first and the server restarts it), then SIGKILL to
-        the group if it does not end in time."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its group (start_new_session)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+def server_spec(extra: list[str], work: Path) -> ServerSpec:
+    """One `tokenmill serve`, with a fresh Batch API store unless --server-args says otherwise."""
+    args = list(extra)
+    for flag, value in (("--data-dir", str(work / "data")), ("--kv-cache-gb", "0.5"), ("--shutdown-timeout", "5")):
+        if flag not in args:
+            args += [flag, value]
+    return ServerSpec(name="tokenmill", ready_path="/ready",
+                      cmd=[sys.executable, "-m", "tokenmill.cli", "serve", "--port", "{port}",
+                           "--log-level", "warning", *args])
 
 
 def other_servers() -> list[str]:
@@ -274,7 +228,7 @@ def window_rate(samples: list[Sample], t0: float, t1: float) -> dict[str, Any]:
 @dataclass
 class Bench:
     args: argparse.Namespace
-    server: Server
+    server: RunningServer
     model: str
     client: Any  # openai.AsyncOpenAI
     http: httpx.AsyncClient
@@ -282,7 +236,7 @@ class Bench:
     phase_no: int = 0
 
     def live_cfg(self) -> ClientConfig:
-        return ClientConfig(base_url=self.server.url, model=self.model, endpoint="chat", temperature=0.0,
+        return ClientConfig(base_url=self.server.base_url, model=self.model, endpoint="chat", temperature=0.0,
                             ignore_eos=True, request_timeout_s=900)
 
     async def settle(self, timeout: float = 120.0) -> None:
@@ -290,7 +244,7 @@ class Bench:
         are being aborted, the previous phase's last requests are ending)."""
         deadline = time.perf_counter() + timeout
         while time.perf_counter() < deadline:
-            m = await metrics(self.http, self.server.url)
+            m = await metrics(self.http, self.server.base_url)
             if m.get("tokenmill_num_requests_running", 0) == 0 and m.get("tokenmill_num_requests_waiting", 0) == 0:
                 return
             await asyncio.sleep(0.25)
@@ -304,11 +258,11 @@ class Bench:
         requests = build_requests(wl, a.live_requests, run_index=self.phase_no)
         spec = RunSpec(mode="closed", num_requests=a.live_requests, duration_s=a.live_duration,
                        concurrency=a.concurrency)
-        m0 = await metrics(self.http, self.server.url)  # resets the loop-lag max
+        m0 = await metrics(self.http, self.server.base_url)  # resets the loop-lag max
         watch = CpuWatch(self.pgid)
         outcome = await run_once(self.live_cfg(), spec, requests, seed=a.seed)
         other = watch.other_cores()
-        m1 = await metrics(self.http, self.server.url)
+        m1 = await metrics(self.http, self.server.base_url)
         extra = {"other_cores": other,
                  "loop_lag_max_s": m1.get("tokenmill_event_loop_lag_max_seconds"),
                  "preemptions": m1.get("tokenmill_preemptions", 0) - m0.get("tokenmill_preemptions", 0)}
@@ -321,7 +275,7 @@ class Bench:
     async def idle_capacity(self) -> dict[str, Any]:
         a = self.args
         await self.settle()
-        m0 = await metrics(self.http, self.server.url)
+        m0 = await metrics(self.http, self.server.base_url)
         lines = batch_lines(self.model, a.idle_lines, "idle", a.batch_min_tokens, a.batch_max_tokens)
         bid = await submit(self.client, lines)
         t_sub = time.perf_counter()
@@ -332,7 +286,7 @@ class Bench:
         finally:
             w.stop()
         other = watch.other_cores()
-        m1 = await metrics(self.http, self.server.url)
+        m1 = await metrics(self.http, self.server.base_url)
         b = w.last
         if b.status != "completed":
             raise RuntimeError(f"the idle-capacity batch ended {b.status}: {b.errors}")
@@ -363,7 +317,7 @@ class Bench:
             # its lines handed to the engine and running (and a first step done)
             deadline = time.perf_counter() + 60
             while time.perf_counter() < deadline:
-                m = await metrics(self.http, self.server.url)
+                m = await metrics(self.http, self.server.base_url)
                 if m.get("tokenmill_num_requests_running", 0) >= min(a.load_lines, 8):
                     break
                 await asyncio.sleep(0.1)
@@ -477,11 +431,11 @@ def report(res: dict[str, Any]) -> None:
               "bursts are shared among the running sequences), so chunk gaps are not comparable: judge ITL by TPOT")
 
 
-async def run(args: argparse.Namespace, server: Server) -> dict[str, Any]:
+async def run(args: argparse.Namespace, server: RunningServer) -> dict[str, Any]:
     import openai
 
-    model = discover_model(server.url, None)
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = discover_model(server.base_url, None)
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     async with client, httpx.AsyncClient(timeout=30, trust_env=False) as http:
         bench = Bench(args, server, model, client, http, pgid=server.proc.pid)
         # warm-up: a small batch and a few live requests (lazy set-up is no part of a phase)
@@ -546,7 +500,7 @@ async def run(args: argparse.Namespace, server: Server) -> dict[str, Any]:
     aims["itl_p99_met"] = aims["itl_p99_ratio"] is not None and aims["itl_p99_ratio"] <= AIM_ITL
     aims["tpot_p50_met"] = aims["tpot_p50_ratio"] is not None and aims["tpot_p50_ratio"] <= AIM_ITL
     aims["tpot_p99_met"] = aims["tpot_p99_ratio"] is not None and aims["tpot_p99_ratio"] <= AIM_ITL
-    return {"config": {k: v for k, v in vars(args).items() if k != "json"}, "server_cmd": server.cmd,
+    return {"config": {k: v for k, v in vars(args).items() if k != "json"}, "server_cmd": server.spec.cmd,
             "model": model, "rounds": args.rounds, "idle_capacity": idle, "phases": phases,
             "pooled": {"alone": alone, "with_batch": withb},
             "batch_under_live": {"tok_s_rounds": rates, "tok_s_median": statistics.median(known) if known else None},
@@ -601,24 +555,22 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
     work = Path(tempfile.mkdtemp(prefix="batch-interference-"))
-    server = Server(shlex.split(args.server_args), work)
+    spec = server_spec(shlex.split(args.server_args), work)
     ok = False
     try:
-        print(f"starting: {shlex.join(server.cmd)}", flush=True)
-        server.start()
-        res = asyncio.run(run(args, server))
+        print(f"starting: {shlex.join(spec.cmd)}", flush=True)
+        with RunningServer(spec, work) as server:
+            res = asyncio.run(run(args, server))
         report(res)
         if args.json:
             args.json.write_text(json.dumps(res, indent=1, default=str))
             print(f"\nwrote {args.json}")
         ok = True
     finally:
-        server.stop()
         if ok and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"server log and data: {work}", file=sys.stderr)
-
 
 if __name__ == "__main__":
     main()

@@ -29,9 +29,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-FINAL = ("completed", "failed", "expired", "cancelled")
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, tenant TEXT NOT NULL,
