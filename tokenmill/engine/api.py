@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig
+from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
+                              SpeculativeConfig)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
 __all__ = [
     "AdmissionError", "CacheConfig", "Choice", "EngineClient", "EngineConfig", "EngineDeadError",
     "EngineStats", "InvalidParameter", "ModelOptions", "Priority", "RequestBounds", "RequestLimits",
-    "RequestOutput", "RequestTimes", "SamplingParams", "SchedulerConfig", "StructuredOutput", "TokenLogprob",
-    "make_engine",
+    "RequestOutput", "RequestTimes", "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "StructuredOutput",
+    "TokenLogprob", "make_engine",
 ]
 
 
@@ -103,6 +104,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured: StructuredOutput | None = None  # output constrained by a grammar (None: free text)
+    speculative: bool = True  # False: no speculative drafts for this request (the output is the same)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -275,6 +277,10 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # position 0 has none
     times: RequestTimes | None = None
+    # speculative decoding, so far: drafts the model checked for this sample, and how
+    # many it accepted (the output is the same either way)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -314,6 +320,9 @@ class EngineStats:
     generation_tokens: int = 0
     steps: int = 0
     engine_restarts: int = 0  # times the engine was restarted after it died
+    spec_draft_tokens: int = 0  # speculative drafts checked by the model
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verifications: int = 0  # request-steps that checked drafts
 
 
 # -- the client seam --------------------------------------------------------------------

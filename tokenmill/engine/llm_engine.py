@@ -162,6 +162,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         st = self.kv.stats
+        spec = self.scheduler.spec.stats if self.scheduler.spec is not None else None
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_waiting_interactive=self.scheduler.waiting.count(Priority.INTERACTIVE),
@@ -171,4 +172,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens, steps=self.steps,
+            spec_draft_tokens=spec.draft_tokens if spec else 0,
+            spec_accepted_tokens=spec.accepted_tokens if spec else 0,
+            spec_verifications=spec.verifications if spec else 0,
         )

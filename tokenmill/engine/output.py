@@ -70,7 +70,7 @@ class OutputProcessor:
             st.num_sent += len(toks)
             text = self._flush(st) if req.finished else self._release(st)
             lp = result.logprobs.get(req.request_id)
-            logprobs = [lp] if lp is not None and toks else None
+            logprobs = lp[:len(toks)] if lp is not None and toks else None
             outputs.append(self._output(req, st, toks, text, logprobs))
         return outputs
 
@@ -133,4 +133,5 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=req.num_output_tokens, logprobs=logprobs, prompt_logprobs=plp,
             times=req.times if finished else None,
+            num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
         )

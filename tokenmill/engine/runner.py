@@ -2,8 +2,17 @@
 sampled tokens. It reads only what the SchedulerOutput carries.
 
 Inputs are built with vector ops (numpy) over the whole batch; the only Python
-loops are per sequence. Per-request state that outlives a step (seeded generators)
-is kept here and dropped when the scheduler reports the request finished.
+loops are per sequence. A seeded request's random numbers are drawn from a generator
+seeded by (its seed, the output position), so its tokens depend on neither the batch
+nor how many tokens a step makes (decode bursts, speculative drafts).
+
+Speculative drafts (tokenmill/engine/spec): a request's last known token and its k
+drafts run as k + 1 single-token decode rows of one step, row j at position start + j
+over the same block table (each row writes its K/V before any row attends, and attends
+up to its own position). Row j's token is chosen as one-at-a-time decoding would choose
+it after the drafts before it (their penalties, their position's random numbers); the
+drafts are accepted while they equal those tokens, and the request gets the tokens of
+the rows up to the first that differs.
 """
 
 from __future__ import annotations
@@ -24,12 +33,23 @@ from tokenmill.model.kernels import native_ops_for
 # an all-greedy batch never reads the temperatures; a fresh empty tensor took ~50 us a
 # step (right after the native step, with the caches cold)
 _NO_TEMPERATURES = torch.zeros(0)
+_MASK64 = 2 ** 64 - 1
+
+
+def position_seed(seed: int, index: int) -> int:
+    """The seed of output position `index` of a request seeded with `seed` (splitmix64:
+    neighbouring positions and seeds get unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, list[int]] = field(default_factory=dict)  # one token a step
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # the tokens each request got: one, or several from a burst or accepted drafts
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per sampled token
     # request id -> [(position, logprob)] for prompt tokens scored this step
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
 
@@ -42,18 +62,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.vocab_size = model.cfg.vocab_size
-        self._generators: dict[str, torch.Generator] = {}
-
-    def _generator(self, rid: str, seed: int) -> torch.Generator:
-        gen = self._generators.get(rid)
-        if gen is None:
-            gen = torch.Generator().manual_seed(seed)
-            self._generators[rid] = gen
-        return gen
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        for rid in out.finished_ids:
-            self._generators.pop(rid, None)
         if not out.scheduled:
             return RunnerOutput()
         if out.num_steps > 1:
@@ -115,9 +125,29 @@ class ModelRunner:
             meta.prefills.append(PrefillSeq(int(cu[i]), int(lens[i]), ctx, slots, seq_index=i))
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta, cu
 
+    @staticmethod
+    def _expand(sch: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Each request with drafts as its 1 + k decode rows, each seeing the drafts before
+        it as output so far (penalties, min_tokens, the seed's position)."""
+        rows = []
+        for s in sch:
+            d = s.draft_token_ids
+            if not d:
+                rows.append(s)
+                continue
+            out = s.output_token_ids
+            for j, tok in enumerate(s.token_ids):
+                rows.append(replace(s, token_ids=[tok], start=s.start + j,
+                                    output_token_ids=out + d[:j] if j else out,
+                                    banned_token_ids=s.banned_token_ids if len(out) + j < s.params.min_tokens else []))
+        return rows
+
     def _step(self, sch: list[ScheduledRequest], inputs=None) -> RunnerOutput:
         """One step; `inputs`: what _inputs(sch) gives, if the caller built it already."""
         result = RunnerOutput()
+        if any(s.draft_token_ids for s in sch):
+            sch = self._expand(sch)
+            inputs = None
         ids_t, pos_t, meta, cu = inputs or self._inputs(sch)
         T, D = ids_t.shape[0], meta.num_decodes
         sample_rows = [i for i, s in enumerate(sch) if s.sample]
@@ -137,13 +167,22 @@ class ModelRunner:
         if sample_rows:
             batch = self._sampling_batch([sch[i] for i in sample_rows])
             so = sample(logits, batch, greedy)
+            verified: set[str] = set()  # requests whose run of drafts has ended
             for j, i in enumerate(sample_rows):
                 s = sch[i]
-                result.sampled[s.request_id] = [so.token_ids[j]]
+                rid = s.request_id
+                if rid in verified:
+                    continue  # a row after a rejected draft: its token is not output
+                tok = so.token_ids[j]
+                toks = result.sampled.setdefault(rid, [])
+                toks.append(tok)
                 if s.params.logprobs is not None:
                     k = s.params.logprobs
                     top = list(zip(so.top_ids[j][:k], so.top_logprobs[j][:k])) if k else []
-                    result.logprobs[s.request_id] = TokenLogprob(so.token_ids[j], so.logprobs[j], top)
+                    result.logprobs.setdefault(rid, []).append(TokenLogprob(tok, so.logprobs[j], top))
+                d = s.draft_token_ids
+                if not (len(toks) <= len(d) and d[len(toks) - 1] == tok):
+                    verified.add(rid)
         for i, s in enumerate(sch):
             if wants_prompt[i]:
                 result.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, hidden[cu[i]:cu[i + 1]])
@@ -178,8 +217,8 @@ class ModelRunner:
             if any(p.min_p > 0.0 for p in params):
                 b.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
             if any(s.seed is not None for s in rows):
-                b.generators = [self._generator(s.request_id, s.seed) if s.seed is not None else None
-                                for s in rows]
+                b.generators = [torch.Generator().manual_seed(position_seed(s.seed, len(s.output_token_ids)))
+                                if s.seed is not None else None for s in rows]
         if any(p.has_penalties for p in params):
             b.presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
             b.frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)

@@ -19,6 +19,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine.api import Priority, SamplingParams
 from tokenmill.engine.parallel import SampleGroups
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.spec import Speculator
 from tokenmill.kv.manager import KVCacheManager
 
 
@@ -35,6 +36,10 @@ class ScheduledRequest:
     output_token_ids: list[int]  # so far; for penalties (a reference, not a copy)
     prompt_token_ids: list[int]
     banned_token_ids: list[int]  # stop tokens masked while min_tokens is unmet
+    # speculative drafts: token_ids is the last known token and these, checked in one step
+    # (the runner's rows start .. start + len(drafts)); the request gets the accepted ones
+    # and one token more
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -121,6 +126,8 @@ class Scheduler:
         self._admissions = 0
         self.num_preemptions = 0
         self._batch_credit = 0.0  # batch tokens earned by interactive ones (see schedule)
+        self.spec = (Speculator(config.speculative, config.max_model_len)
+                     if config.speculative.enabled else None)
 
     # -- admission ----------------------------------------------------------------------
     @property
@@ -235,11 +242,25 @@ class Scheduler:
                 budget -= chosen[req.request_id][1]
                 per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
 
+        # Speculative drafts for decodes worth them (their slots allocated here; none
+        # where the pool cannot hold them).
+        drafts: dict[str, list[int]] = {}
+        if self.spec is not None and chosen and budget > 0:
+            decodes = [r for r, n in chosen.values() if r.num_tokens - r.num_computed_tokens == n == 1]
+            if decodes:
+                prefill = sum(n for r, n in chosen.values() if r.num_tokens - r.num_computed_tokens != 1)
+                for rid, d in self.spec.plan(decodes, prefill, budget).items():
+                    req = chosen[rid][0]
+                    if self.kv.allocate_slots(req, 1 + len(d)) is not None:
+                        chosen[rid] = (req, 1 + len(d))
+                        budget -= len(d)
+                        drafts[rid] = d
+
         # Bursts only when this step admitted and preempted no one and every request decodes
         # (a one-token prefill chunk, left by the budget, samples nothing). Requests still
         # waiting then wait for a slot, blocks or their group: a burst delays that by its
         # length at most.
-        if (self.config.decode_steps > 1 and not out.preempted_ids and chosen
+        if (self.config.decode_steps > 1 and not out.preempted_ids and chosen and not drafts
                 and all(r.num_tokens - r.num_computed_tokens == 1 for r, _ in chosen.values())):
             out.num_steps = self._burst_steps([r for r, _ in chosen.values()])
 
@@ -249,14 +270,15 @@ class Scheduler:
                                      + self.config.batch_share * interactive * out.num_steps,
                                      float(self.config.batch_burst_tokens))
 
-        # Decodes first in the flat batch; then prefill chunks.
-        for req, num_new in sorted(chosen.values(), key=lambda x: x[1] > 1):
+        # Decodes (with their drafts) first in the flat batch; then prefill chunks.
+        for req, num_new in sorted(chosen.values(), key=lambda x: x[1] > 1 and x[0].request_id not in drafts):
             start = req.num_computed_tokens
-            end = start + num_new
+            d = drafts.get(req.request_id, [])
+            end = start + num_new - len(d)
             sp = req.params
             out.scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=req.token_slice(start, end),
+                token_ids=req.token_slice(start, end) + d,
                 start=start,
                 block_ids=self.kv.blocks_of(req.request_id),
                 sample=end == req.num_tokens,
@@ -266,6 +288,7 @@ class Scheduler:
                 prompt_token_ids=req.prompt_token_ids,
                 banned_token_ids=(list(req.eos_token_ids) + sp.stop_token_ids
                                   if req.num_output_tokens < sp.min_tokens else []),
+                draft_token_ids=d,
             ))
             out.num_scheduled_tokens += num_new
         return out
@@ -364,16 +387,20 @@ class Scheduler:
             req = self.requests.get(sr.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += len(sr.token_ids)
+            # (of a row with drafts, only the last known token's K/V is surely valid: the
+            # accepted drafts' are counted below, as they are appended)
+            req.num_computed_tokens += len(sr.token_ids) - len(sr.draft_token_ids)
             if not sr.sample:
                 self.kv.cache_blocks(req)
                 continue
             if req.times.first_token is None:
                 req.times.first_token = now
             produced.append(req)
+            if self.spec is not None:
+                self.spec.observe(req, sr.draft_token_ids, sampled[sr.request_id])
             status = None
             for j, tok in enumerate(sampled[sr.request_id]):
-                if j:  # a burst: the step that sampled this token wrote the previous one's K/V
+                if j:  # a burst or an accepted draft: the row that chose this token wrote the previous one's K/V
                     req.num_computed_tokens += 1
                 req.output_token_ids.append(tok)
                 req.times.tokens.append(now)
@@ -413,6 +440,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req, finished=True)
         self.groups.remove(req)
+        if self.spec is not None:
+            self.spec.finished(req, aborted=status == RequestStatus.FINISHED_ABORTED)
         if req.params.structured is not None and self.constraints is not None:
             self.constraints.free(request_id)
         req.status = status
