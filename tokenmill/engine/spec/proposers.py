@@ -84,7 +84,7 @@ class SuffixProposer:
         L = len(t)
         own.index_upto(L - 1)
         corpus = self._corpora.get(key)
-        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+        for n in range(min(self.n_max, L), self.n_min - 1, -1):
             pattern = t[L - n:]
             runs = [(t, e) for e in own.occurrences(pattern)]
             if corpus is not None:
