@@ -50,8 +50,10 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
                   enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8,
                   kv_cache_dtype: str = "auto", max_n: int = 16, max_body_mb: float = 8.0,
-                  batch_share: float = 0.05, batch_step_tokens: int = 16):
-    from tokenmill.engine.api import CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig
+                  batch_share: float = 0.05, batch_step_tokens: int = 16, speculative: str = "off",
+                  num_speculative_tokens: int = 5):
+    from tokenmill.engine.api import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
+                                      SpeculativeConfig)
 
     return EngineConfig(
         model=ModelOptions(path=model, dtype=dtype, quantization=quantization),
@@ -59,7 +61,9 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
                           enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_steps=decode_steps, batch_share=batch_share,
-                                  batch_step_tokens=batch_step_tokens),
+                                  batch_step_tokens=batch_step_tokens,
+                                  speculative=SpeculativeConfig(method=speculative,
+                                                                num_speculative_tokens=num_speculative_tokens)),
         max_model_len=max_model_len,
         num_threads=num_threads,
         bounds=RequestBounds(max_n=max_n, max_body_bytes=int(max_body_mb * 1024 * 1024)),
@@ -146,6 +150,13 @@ def serve(
     batch_step_tokens: int = typer.Option(16, "--batch-step-tokens",
                                           help="With no interactive work, the most tokens of a batch-only step "
                                                "(an interactive request that arrives waits for it)."),
+    speculative: str = typer.Option("off", "--speculative",
+                                    help="Speculative decoding from text: ngram (drafts from the request's own "
+                                         "prompt and output), suffix (and from the same tenant's recent outputs) "
+                                         "or off. The output is the same; drafts are checked in one step and "
+                                         "turned down per request where they miss."),
+    num_speculative_tokens: int = typer.Option(5, "--num-speculative-tokens",
+                                               help="Most drafts one request gets in one step."),
     engine_mode: str = typer.Option("process", "--engine",
                                     help="Where the step loop runs: process (a child process; measured faster) or thread."),
     log_level: str = typer.Option("info", "--log-level"),
@@ -202,7 +213,8 @@ def serve(
         dtype, quantization = resolve_precision(dtype, quantization)
         config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                                max_model_len, block_size, prefix_caching, num_threads, decode_steps,
-                               kv_cache_dtype, max_n, max_body_mb, batch_share, batch_step_tokens)
+                               kv_cache_dtype, max_n, max_body_mb, batch_share, batch_step_tokens,
+                               speculative, num_speculative_tokens)
     except ValueError as exc:
         _fail(str(exc))
     if engine_mode not in ENGINE_MODES:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from tokenmill.engine.api import EngineStats, RequestOutput
 
@@ -37,6 +37,17 @@ class _EngineCollector:
              s.engine_restarts),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("tokenmill_spec_draft_tokens", "Speculative draft tokens checked by the model.", s.spec_draft_tokens),
+            ("tokenmill_spec_accepted_tokens", "Speculative draft tokens accepted.", s.spec_accepted_tokens),
+            ("tokenmill_spec_verifications", "Request-steps that checked speculative drafts.",
+             s.spec_verifications),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        mean = 1.0 + s.spec_accepted_tokens / s.spec_verifications if s.spec_verifications else 0.0
+        yield GaugeMetricFamily("tokenmill_spec_mean_accepted_length",
+                                "Tokens a request got per step that checked its drafts (1 + accepted; "
+                                "0 before any).", value=mean)
 
 
 class BulkHistogram:

@@ -104,6 +104,8 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: StrictBool = False
     priority: Literal["interactive", "batch"] | None = None
     logit_bias: dict[StrictStr, StrictFloat] | None = None
+    # false: no speculative drafts for this request (its output is the same either way)
+    speculative: StrictBool = True
     # structured outputs: OpenAI's response_format, and vLLM's guided_* / structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: Union[dict[str, Any], StrictStr, None] = None
@@ -176,6 +178,7 @@ class _SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
             structured=self.structured()[0],
+            speculative=self.speculative,
         )
 
 

@@ -26,6 +26,27 @@ from tokenmill.server.metrics import Metrics
 
 
 @dataclass
+
+class SpecTally:
+    """A response's speculative decoding figures (the usage extension `speculative`):
+    drafts checked and accepted, summed over its samples (each output carries its
+    sample's running totals)."""
+
+    def __init__(self) -> None:
+        self._per: dict[tuple[int, int], tuple[int, int]] = {}
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+
+    def add(self, out: RequestOutput, prompt: int = 0) -> None:
+        key = (prompt, out.index)
+        d0, a0 = self._per.get(key, (0, 0))
+        self.draft_tokens += out.num_draft_tokens - d0
+        self.accepted_tokens += out.num_accepted_tokens - a0
+        self._per[key] = (out.num_draft_tokens, out.num_accepted_tokens)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
+
 class RequestContext:
     """Who is asking and under what terms (filled by the gate before serving), and what
     the request has used so far. `finish()` runs the settlement callbacks exactly once;
@@ -127,10 +148,14 @@ class BaseServing:
             self.metrics.observe_finished(out)
 
     @staticmethod
-    def usage(prompt_tokens: int, cached: int, completion_tokens: int) -> dict[str, Any]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+    def usage(prompt_tokens: int, cached: int, completion_tokens: int,
+              spec: SpecTally | None = None) -> dict[str, Any]:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if spec is not None and spec.draft_tokens:
+            usage["speculative"] = spec.as_dict()
+        return usage
 
     def progress(self, ctx: RequestContext, num_prompt: int, cached: int, completion: int) -> None:
         """Keep ctx.usage current, so a request cut short is still settled for what it used."""

@@ -14,7 +14,7 @@ from tokenmill.engine.api import Choice, TokenLogprob
 from tokenmill.server.errors import APIError
 from tokenmill.server import tools as tool_calls
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.serving import (BaseServing, RequestContext, json_response, now,
+from tokenmill.server.serving import (BaseServing, RequestContext, SpecTally, json_response, now,
                                       run_until_disconnected, sse, sse_with_errors, streaming_response)
 
 
@@ -83,15 +83,17 @@ class ServingChat(BaseServing):
         # rendered as they arrive: one step's worth at a time, not all at the end
         rendered: dict[int, list[dict[str, Any]]] = {i: [] for i in range(body.n)}
         cached = 0
+        spec = SpecTally()
         async for out in stream:
             self.record(out)
+            spec.add(out)
             choices[out.index].add(out)
             if body.logprobs and out.logprobs:
                 rendered[out.index] += self._logprob_entries(out.logprobs)
             if out.index == 0:
                 cached = out.num_cached_tokens
             self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
-        usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
+        usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()), spec)
         answers = {c.index: self._answer(body, c) for c in choices.values()}
         return {
             "id": ctx.request_id, "object": "chat.completion", "created": now(), "model": self.model_name,
@@ -123,8 +125,10 @@ class ServingChat(BaseServing):
         parsers = None  # with tools: one parser per choice splits content from calls
         if body.tools_active:
             parsers = [tool_calls.StreamParser(body.tools_by_name()) for _ in range(body.n)]
+        spec = SpecTally()
         async for out in stream:
             self.record(out)
+            spec.add(out)
             outputs[out.index] = out.num_output_tokens
             if out.index == 0:
                 cached = out.num_cached_tokens
@@ -146,6 +150,6 @@ class ServingChat(BaseServing):
             elif out.text or lps or out.finished:
                 delta = {"content": out.text} if out.text else {}
                 yield chunk(out.index, delta, out.finish_reason if out.finished else None, lps)
-        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs)))
+        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs), spec))
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage})

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from tokenmill.engine.api import Choice, RequestOutput, TokenLogprob
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.serving import (BaseServing, RequestContext, json_response, merge_streams, now,
+from tokenmill.server.serving import (BaseServing, RequestContext, SpecTally, json_response, merge_streams, now,
                                       run_until_disconnected, sse, sse_with_errors, streaming_response)
 
 
@@ -89,8 +89,10 @@ class ServingCompletion(BaseServing):
         cached_by_prompt: dict[int, int] = {}  # each update repeats its prompt's figure
         cached = completion = 0  # running totals: no loop over the choices per output
         num_prompt = sum(len(ids) for _, ids in prompts)
+        spec = SpecTally()
         async for p, out in merge_streams(streams):
             self.record(out)
+            spec.add(out, p)
             c = choices[p * n + out.index]
             if not c.text and not c.token_ids and body.echo:
                 c.text = prompts[p][0]
@@ -102,7 +104,7 @@ class ServingCompletion(BaseServing):
                 cached += out.num_cached_tokens - cached_by_prompt.get(p, 0)
                 cached_by_prompt[p] = out.num_cached_tokens
             self.progress(ctx, num_prompt, cached, completion)
-        usage = self.usage(num_prompt, cached, completion)
+        usage = self.usage(num_prompt, cached, completion, spec)
         rendered = {}
         if body.logprobs is not None:  # a whole prompt's worth with echo: off the event loop
             rendered = await asyncio.to_thread(lambda: {k: self._logprobs(c.logprobs, 0) for k, c in choices.items()})
@@ -129,8 +131,10 @@ class ServingCompletion(BaseServing):
         outputs: dict[int, int] = {}
         cached_by_prompt: dict[int, int] = {}  # each update repeats its prompt's figure
         cached = completion = 0  # running totals: no loop over the choices per output
+        spec = SpecTally()
         async for p, out in merge_streams(streams):
             self.record(out)
+            spec.add(out, p)
             index = p * n + out.index
             text = out.text
             lps: list = list(out.logprobs or [])
@@ -157,6 +161,6 @@ class ServingCompletion(BaseServing):
                 yield sse({**base, "choices": [{
                     "index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": out.finish_reason if out.finished else None}]})
-        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, completion))
+        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, completion, spec))
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage})
