@@ -25,8 +25,6 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import Metrics
 
 
-@dataclass
-
 class SpecTally:
     """A response's speculative decoding figures (the usage extension `speculative`):
     drafts checked and accepted, summed over its samples (each output carries its
@@ -47,6 +45,8 @@ class SpecTally:
     def as_dict(self) -> dict[str, int]:
         return {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
 
+
+@dataclass
 class RequestContext:
     """Who is asking and under what terms (filled by the gate before serving), and what
     the request has used so far. `finish()` runs the settlement callbacks exactly once;
