@@ -137,7 +137,7 @@ class ModelRunner:
                 continue
             out = s.output_token_ids
             for j, tok in enumerate(s.token_ids):
-                rows.append(replace(s, token_ids=[tok], start=s.start + j,
+                rows.append(replace(s, token_ids=[tok], start=s.start + j, num_drafts_before=j,
                                     output_token_ids=out + d[:j] if j else out,
                                     banned_token_ids=s.banned_token_ids if len(out) + j < s.params.min_tokens else []))
         return rows
@@ -232,7 +232,10 @@ class ModelRunner:
             b.logit_bias = LogitBias.from_maps([p.logit_bias for p in params])
         constrained = [j for j, p in enumerate(params) if p.structured is not None]
         if constrained and self.grammar is not None:
-            bits = self.grammar.fill_bitmask([rows[j].request_id for j in constrained])
+            ahead = None
+            if any(rows[j].num_drafts_before for j in constrained):
+                ahead = [rows[j].draft_token_ids[:rows[j].num_drafts_before] for j in constrained]
+            bits = self.grammar.fill_bitmask([rows[j].request_id for j in constrained], ahead)
             b.token_mask = TokenMask.from_bitmask(constrained, bits, self.vocab_size)
         want = [p.logprobs for p in params if p.logprobs is not None]
         if want:

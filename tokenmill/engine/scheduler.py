@@ -40,6 +40,7 @@ class ScheduledRequest:
     # (the runner's rows start .. start + len(drafts)); the request gets the accepted ones
     # and one token more
     draft_token_ids: list[int] = field(default_factory=list)
+    num_drafts_before: int = 0  # a runner's row of a request with drafts: the drafts before it
 
 
 @dataclass

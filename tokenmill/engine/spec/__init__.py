@@ -74,9 +74,8 @@ class Speculator:
     @staticmethod
     def eligible(req: Request) -> bool:
         sp = req.params
-        # batch work is for throughput (its share of steps is metered in tokens); grammar
-        # masks would have to be computed for each draft's place
-        return sp.speculative and req.priority == Priority.INTERACTIVE and sp.structured is None
+        # batch work is for throughput (its share of steps is metered in tokens)
+        return sp.speculative and req.priority == Priority.INTERACTIVE
 
     def _state(self, req: Request) -> _ReqState:
         st = self._states.get(req.request_id)

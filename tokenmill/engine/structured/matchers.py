@@ -96,14 +96,29 @@ class GrammarMatchers:
             return True
         return m.is_stopped()
 
-    def fill_bitmask(self, request_ids: list[str]) -> np.ndarray:
+    def fill_bitmask(self, request_ids: list[str], ahead: list[list[int]] | None = None) -> np.ndarray:
         """[len(request_ids), words] int32 bitmask of the tokens each sequence may take
-        next (bit t % 32 of word t // 32). A view of a buffer reused by the next call."""
+        next (bit t % 32 of word t // 32). A view of a buffer reused by the next call.
+        ahead: per row, speculative drafts the row comes after: its mask is the one after
+        them (the matcher advances over them and is rolled back). A row after a draft the
+        grammar forbids gets every token: the draft is rejected (its own row's mask
+        forbids it), so that row's token is never output."""
         n = len(request_ids)
         if self._bitmask.shape[0] < n:
             self._bitmask = np.zeros((max(n, 2 * self._bitmask.shape[0]), self.words), dtype=np.int32)
         out = self._bitmask[:n]
         row_bytes = self.words * 4
         for i, rid in enumerate(request_ids):
-            self._matchers[rid].unsafe_compute_mask_ptr(out[i].ctypes.data, row_bytes)
+            m = self._matchers[rid]
+            before = ahead[i] if ahead is not None else None
+            if not before:
+                m.unsafe_compute_mask_ptr(out[i].ctypes.data, row_bytes)
+                continue
+            ok = m.try_consume_tokens(before)
+            if ok == len(before) and not m.is_stopped():
+                m.unsafe_compute_mask_ptr(out[i].ctypes.data, row_bytes)
+            else:
+                out[i] = -1
+            if ok:
+                m.rollback(ok)
         return out
