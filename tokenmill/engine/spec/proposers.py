@@ -29,6 +29,13 @@ class SequenceState:
     def __init__(self, n_min: int, n_max: int):
         self.index = NgramIndex(n_min, n_max)
 
+    def ready(self) -> list[int]:
+        """The tokens, with the n-grams that end before the last one indexed (where an
+        earlier occurrence of the request's ending can be)."""
+        t = self.index.tokens
+        self.index.index_upto(len(t) - 1)
+        return t
+
     def sync(self, prompt: list[int], output: list[int]) -> list[int]:
         """Bring the copy up to the request's tokens (they only grow while it runs)."""
         idx = self.index
@@ -51,12 +58,10 @@ class NgramProposer:
         return SequenceState(self.n_min, self.n_max)
 
     def propose(self, state: SequenceState, key: Hashable, k: int) -> list[int]:
-        idx = state.index
-        t = idx.tokens
+        t = state.ready()
         L = len(t)
-        idx.index_upto(L - 1)  # occurrences that end before the last token
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            ends = idx.occurrences(t[L - n:])
+            ends = state.index.occurrences(t[L - n:])
             if ends:
                 e = ends[0]
                 return t[e + 1:e + 1 + k]
@@ -80,9 +85,8 @@ class SuffixProposer:
 
     def propose(self, state: SequenceState, key: Hashable, k: int) -> list[int]:
         own = state.index
-        t = own.tokens
+        t = state.ready()
         L = len(t)
-        own.index_upto(L - 1)
         corpus = self._corpora.get(key)
         for n in range(min(self.n_max, L), self.n_min - 1, -1):
             pattern = t[L - n:]
