@@ -38,7 +38,9 @@ def _stream_ttft(url, key, max_tokens=8, results=None, client=None, prompt="Name
 def test_full_waiting_queue_is_refused_at_once():
     srv = ServerProcess("--max-num-seqs", "1", "--max-waiting", "1").wait_ready()
     try:
-        threads = [threading.Thread(target=_stream_ttft, args=(srv.url, None, 300)) for _ in range(2)]
+        # long enough that the first still runs (and the second waits) on a fast machine:
+        # 300 tokens took under a second on an AVX-512 one, and nothing was left waiting
+        threads = [threading.Thread(target=_stream_ttft, args=(srv.url, None, 2000)) for _ in range(2)]
         for t in threads:
             t.start()
             time.sleep(0.5)
