@@ -88,7 +88,6 @@ class Speculator:
         their rows. other_tokens: the step's prefill tokens (rows too); room: tokens the
         step's budget still has."""
         cfg = self.cfg
-        rows = len(decodes) + other_tokens
         if len(decodes) >= cfg.max_rows or room <= 0:
             return {}
         cands: list[tuple[float, int, str]] = []
@@ -122,10 +121,9 @@ class Speculator:
         for value, _, rid in cands:
             if decode_rows >= cfg.max_rows or room <= 0:
                 break
-            if value * (1.0 + r * (rows - 1)) <= r * tokens:
+            if value * (1.0 + r * (decode_rows + other_tokens - 1)) <= r * tokens:
                 break
             taken[rid] = taken.get(rid, 0) + 1
-            rows += 1
             decode_rows += 1
             room -= 1
             tokens += value

@@ -36,7 +36,7 @@ class SequenceState:
         self.index.index_upto(len(t) - 1)
         return t
 
-    def sync(self, prompt: list[int], output: list[int]) -> list[int]:
+    def sync(self, prompt: list[int], output: list[int]) -> None:
         """Bring the copy up to the request's tokens (they only grow while it runs)."""
         idx = self.index
         have = len(idx.tokens)
@@ -46,7 +46,6 @@ class SequenceState:
         n_out = have - len(prompt)
         if n_out < len(output):
             idx.extend(output[n_out:])
-        return idx.tokens
 
 
 class NgramProposer:
