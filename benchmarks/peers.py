@@ -4,7 +4,9 @@ Everything lands under `.peers/` at the repo root (git-ignored):
 
 - `.peers/src/llama_cpp_python-*.tar.gz`  the sdist, the only thing fetched (from PyPI);
 - `.peers/llamacpp-venv/`                 a venv with `llama-cpp-python[server]` built from it;
-- `.peers/llama-server/bin/llama-server`  built from the sdist's vendored llama.cpp, if it builds.
+- `.peers/llama-server/bin/llama-server`  built from the sdist's vendored llama.cpp, if it builds,
+  with `llama-quantize` (to make Q4_0/Q8_0 files from the same model) and `llama-bench`
+  (the engine-level baseline) beside it.
 
 Each step is skipped when its result is already there, so a rerun costs nothing.
 A failed llama-server build is reported and remembered (`.peers/llama-server/FAILED`),
@@ -39,8 +41,15 @@ SERVER_CMAKE_ARGS = [
 class Peers:
     """Paths to what was built; `llama_server` is None when it could not be built."""
 
-    llamacpp_python: Path
+    llamacpp_python: Optional[Path]
     llama_server: Optional[Path]
+
+    def tool(self, name: str) -> Optional[Path]:
+        """`llama-quantize` or `llama-bench`, built beside llama-server."""
+        if self.llama_server is None:
+            return None
+        path = self.llama_server.parent / name
+        return path if path.exists() else None
 
 
 def _log(msg: str) -> None:
@@ -88,12 +97,15 @@ def build_llamacpp_python(cache: Path, sdist: Path, base_python: str, jobs: int)
     return py
 
 
+TOOLS = ("llama-server", "llama-quantize", "llama-bench")
+
+
 def build_llama_server(cache: Path, sdist: Path, jobs: int) -> Optional[Path]:
-    """`llama-server` from the sdist's vendored llama.cpp, or None (and why) if it fails."""
+    """`llama-server` (and TOOLS) from the sdist's vendored llama.cpp, or None (and why) if it fails."""
     out = cache / "llama-server"
     binary = out / "bin" / "llama-server"
     failed = out / "FAILED"
-    if binary.exists():
+    if all((out / "bin" / t).exists() for t in TOOLS):
         _log(f"cached: {binary}")
         return binary
     if failed.exists():
@@ -114,10 +126,10 @@ def build_llama_server(cache: Path, sdist: Path, jobs: int) -> Optional[Path]:
         build = out / "build"
         _log("building llama-server from vendored llama.cpp (~10 min on 2 cores)")
         _run(["cmake", "-S", str(src), "-B", str(build), *SERVER_CMAKE_ARGS], log)
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], log)
-        built = build / "bin" / "llama-server"
+        _run(["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(jobs)], log)
         binary.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built, binary)
+        for tool in TOOLS:
+            shutil.copy2(build / "bin" / tool, binary.parent / tool)
         shutil.rmtree(build, ignore_errors=True)  # ~1 GB of objects; the static binary is enough
         return binary
     except (subprocess.CalledProcessError, OSError, tarfile.TarError) as exc:
@@ -127,15 +139,15 @@ def build_llama_server(cache: Path, sdist: Path, jobs: int) -> Optional[Path]:
 
 
 def ensure_peers(cache: Path, base_python: str = sys.executable, jobs: int = 2,
-                 want_server: bool = True) -> Peers:
-    """Build (or reuse) every peer; raises only if llama-cpp-python itself cannot be built."""
+                 want_server: bool = True, want_python: bool = True) -> Peers:
+    """Build (or reuse) the peers asked for; raises only if llama-cpp-python itself cannot be built."""
     cache.mkdir(parents=True, exist_ok=True)
     sdist = fetch_sdist(cache, base_python)
-    py = build_llamacpp_python(cache, sdist, base_python, jobs)
+    py = build_llamacpp_python(cache, sdist, base_python, jobs) if want_python else None
     server = build_llama_server(cache, sdist, jobs) if want_server else None
     return Peers(llamacpp_python=py, llama_server=server)
 
 
-if __name__ == "__main__":  # build only: `python benchmarks/peers.py`
+if __name__ == "__main__":  # build only: `python benchmarks/peers.py [--server-only]`
     root = Path(__file__).resolve().parent.parent
-    print(ensure_peers(root / ".peers"))
+    print(ensure_peers(root / ".peers", want_python="--server-only" not in sys.argv))
