@@ -1,0 +1,68 @@
+"""Sampled against greedy single-stream decode through the offline engine (the server's
+code path), default configuration: temperature 1 (the API's default) vs temperature 0,
+256 tokens after a 128-token prompt, repeats interleaved, medians and their ratio.
+
+    python benchmarks/sampled_speed.py [--repeat 5] [--tokens 256] [--concurrency 1]
+
+Greedy and plain sampled decodes (a temperature, no top-k/top-p/min-p) both run in
+native bursts (SchedulerConfig.decode_steps); top-p 0.9 is shown beside them, which runs
+one step at a time with the sampler in torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
+from tokenmill.engine.api import SamplingParams  # noqa: E402
+from tokenmill.engine.llm import LLM  # noqa: E402
+from tokenmill.model.loader import load_model  # noqa: E402
+
+MODES = {
+    "greedy": dict(temperature=0.0),
+    "temperature 1": dict(temperature=1.0),
+    "temperature 1, top_p 0.9": dict(temperature=1.0, top_p=0.9),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(default_num_threads())
+    llm = LLM(load_model(None, "bfloat16", "int4"), config=EngineConfig(cache=CacheConfig(kv_cache_gb=0.5)))
+    prompt = [1000 + (7 * i) % 20000 for i in range(128)]
+
+    def run(mode: str, seed: int) -> float:
+        sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=seed, **MODES[mode])
+        prompts = [prompt + [i] for i in range(args.concurrency)]
+        t = time.perf_counter()
+        llm.generate(prompts, sp)
+        return args.concurrency * args.tokens / (time.perf_counter() - t)
+
+    for mode in MODES:
+        run(mode, 0)  # warm-up
+    rates: dict[str, list[float]] = {m: [] for m in MODES}
+    for r in range(args.repeat):
+        for mode in MODES:
+            rates[mode].append(run(mode, r + 1))
+    base = statistics.median(rates["greedy"])
+    print(f"decode, {args.concurrency} stream(s), {args.tokens} tokens, median of {args.repeat}")
+    print("| mode | tok/s | vs greedy |\n|---|---|---|")
+    for mode, v in rates.items():
+        med = statistics.median(v)
+        print(f"| {mode} | {med:.0f} | {med / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
