@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.kernels import native_ops
-from tokenmill.model.quant import GROUP, Int4Linear, Int8Linear
+from tokenmill.model.quant import GROUP, Int4Linear, Int8BlockLinear, Int8Linear, output_projection
 
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ toolchain: the torch paths are the only ones")
@@ -124,6 +124,36 @@ def test_int8_kernel_matches_its_definition(rows):
     got = lin(x)
     assert got.dtype == torch.float32
     assert (got - want).norm() / want.norm() < 3e-3
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_int8_block_head_keeps_q8_0_blocks_and_near_exact_logits(rows):
+    """The output projection reads a Q8_0 tensor's own codes and scales (nothing rounded a
+    second time) and takes its inputs in two int8 levels: logits within 1e-4 of the float
+    product, far closer than per-row int8 gets."""
+    if ops.quant_gemv_vnni() is False:
+        pytest.skip("no AVX-512 VNNI")
+    g = _gen(0)
+    n, k = 64, 256
+    d = (torch.rand(n, k // GROUP, generator=g) * 0.01 + 1e-3).to(torch.float16)
+    q = torch.randint(-127, 128, (n, k // GROUP, GROUP), generator=g)
+    q[:, :, 5] = 127  # Q8_0 scales by the block's largest magnitude, so one code is +-127
+    q[::2, :, 5] = -127
+    w = (q.float() * d.float()[..., None]).view(n, k)  # a dequantized Q8_0 tensor
+    lin = output_projection(w)
+    assert isinstance(lin, Int8BlockLinear)
+    assert torch.equal(lin.d, d)
+    x = torch.randn(rows, k, generator=_gen(rows))
+    x[:, 9] = 30.0  # an outlier channel
+    exact = x @ w.T
+    got = lin(x)
+    assert got.dtype == torch.float32
+    assert ((got - exact).norm() / exact.norm()).item() < 1e-4
+    per_row = Int8Linear(w, float_out=True)(x)
+    assert (per_row - exact).norm() > 10 * (got - exact).norm()
+    # bf16 inputs: the same kernel on the rounded inputs
+    xb = x.to(torch.bfloat16)
+    assert ((lin(xb) - xb.float() @ w.T).norm() / exact.norm()).item() < 1e-4
 
 
 def test_int4_precise_mode_is_near_exact_activations():

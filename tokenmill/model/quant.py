@@ -67,6 +67,18 @@ def pack_int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales.float().contiguous().view(torch.uint8).view(t, 4 * TILE), codes], dim=-1)
 
 
+def pack_int8_blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] and float16 scales [N, K/32] into q8b_gemv's layout: per tile of
+    16 rows, per group of 32 inputs the codes as in pack_int8_tiles (q + 128), then the 16
+    rows' scales: 544 bytes a group."""
+    n, k = q.shape
+    t, g = n // TILE, k // GROUP
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    codes = u.view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512)
+    ds = d.view(t, TILE, g).transpose(1, 2).contiguous().view(torch.uint8).view(t, g, 2 * TILE)
+    return torch.cat([codes, ds], dim=-1).view(t, g * 544)
+
+
 class _Quantized:
     """Shared by both widths: one kernel for every row count (see the module's doc)."""
     bias: torch.Tensor | None
@@ -113,6 +125,49 @@ class Int8Linear(_Quantized):
     def nbytes(self) -> int:
         """Bytes a small-batch step reads."""
         return self.tiles.nbytes if self._vnni is not None else self.qweight.nbytes + self.scales_bf16.nbytes
+
+
+class Int8BlockLinear(_Quantized):
+    """The output projection: int8 codes with a float16 scale per 32 inputs of a row, as
+    GGUF's Q8_0 stores them (d = max|w| / 127 in float16, q = round(w / d)), so a Q8_0
+    head's codes and scales come back exactly from its dequantized weights, and its
+    inputs in two int8 levels: float32 logits within ~1e-4 of the float product. Per-row
+    int8 there (a second rounding of the file's Q8_0 weights, one level of activations)
+    changed greedy answers most of all (benchmarks/fidelity.py). Needs the VNNI kernels;
+    build_model falls back to Int8Linear without them."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.float()
+        n, k = w.shape
+        if not _tileable(n, k):
+            raise ValueError(f"int8 blocks need in_features in {GROUP}s and out_features in {TILE}s, got {k}, {n}")
+        self._vnni = _vnni_ops()
+        if self._vnni is None:
+            raise RuntimeError("Int8BlockLinear needs the AVX-512 VNNI kernels")
+        g = w.view(n, k // GROUP, GROUP)
+        self.d = (g.abs().amax(dim=-1) / 127.0).to(torch.float16)
+        d = self.d.float()[..., None]
+        q = torch.where(d > 0, g / torch.where(d > 0, d, 1.0), 0.0).round().clamp(-127, 127).to(torch.int8)
+        self.tiles = pack_int8_blocks(q.view(n, k), self.d)
+        self.bias = None
+        self.out_features, self.in_features = n, k
+        self.float_out = True
+
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._vnni.q8b_gemv(x, self.tiles, True)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+
+def output_projection(weight: torch.Tensor) -> "Int8BlockLinear | Int8Linear":
+    """The quantized modes' output projection: Q8_0 blocks where the VNNI kernels run, else
+    per-row int8 with float32 logits."""
+    n, k = weight.shape
+    if _vnni_ops() is not None and _tileable(n, k):
+        return Int8BlockLinear(weight)
+    return Int8Linear(weight, float_out=True)
 
 
 class Int4Linear(_Quantized):

@@ -12,6 +12,8 @@
 //         after each group's 256 bytes as 16 d then 16 m (320 bytes a group).
 //   int8: w = (u - 128) * s, u = q + 128 in 1..255, one float32 scale s per row, the
 //         tile's 16 scales (64 bytes) ahead of its groups (512 bytes each).
+//   int8 blocks: w = (u - 128) * d, d float16 per (row, group) after each group's 512
+//         bytes of codes (544 bytes a group): GGUF's Q8_0.
 // Scales ride inside the weight stream so that each thread reads one sequential stream
 // (the hardware prefetcher follows one stream better than two).
 // Activations: per row of x and 16 inputs, xq = round(x / dx) in -127..127 with
@@ -30,7 +32,7 @@ using namespace tm_quant;
 // x [M, K] against all tiles of w (tile_bytes each); returns [M, N] in out_dtype.
 template <int Kind, typename In, typename Out>
 void run_tiles(const In* x, const uint8_t* w, int64_t tile_bytes, int64_t M, int64_t K, int64_t N, Out* y) {
-  const QuantX& xq = quantize_rows(x, M, K, Kind == 2);
+  const QuantX& xq = quantize_rows(x, M, K, Kind >= 2);
   at::parallel_for(0, N / kTile, 8, [&](int64_t t0, int64_t t1) {
     tiles_range<Kind>(w, tile_bytes, xq, M, K, N, t0, t1, y);
   });
@@ -70,6 +72,14 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool pre
   const int64_t K = x.size(1), N = w.size(0) * kTile;
   TORCH_CHECK(x.dim() == 2 && K % kGroup == 0 && w.size(1) == K / kGroup * 320, "shape mismatch");
   return precise ? gemv<2>(x, w, N, w.size(1), float_out) : gemv<1>(x, w, N, w.size(1), float_out);
+}
+
+// x [M, K] @ int8 block tiles (Q8_0 grid) -> [M, N]; w uint8 [N/16, K/32 * 544].
+torch::Tensor q8b_gemv(torch::Tensor x, torch::Tensor w, bool float_out) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2, "w: uint8 tiles [N/16, K/32 * 544]");
+  const int64_t K = x.size(1), N = w.size(0) * kTile;
+  TORCH_CHECK(x.dim() == 2 && K % kGroup == 0 && w.size(1) == K / kGroup * 544, "shape mismatch");
+  return gemv<3>(x, w, N, w.size(1), float_out);
 }
 
 // x [M, K] @ int8 tiles -> [M, N]; w uint8 [N/16, 64 + K/32 * 512].

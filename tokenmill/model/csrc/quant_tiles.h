@@ -24,6 +24,7 @@ struct QuantX {
   // second level (precise mode): the rounding residual x - d * q, itself in int8
   std::vector<int8_t> q2;    // [M, K]
   std::vector<float> d2;     // [M, K/16]
+  std::vector<int32_t> qsum2; // [M, K/16] sum of q2 per half group
 };
 
 // Reused across calls (decode calls these ~120 times a step; allocation showed up).
@@ -41,6 +42,7 @@ const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
   if (precise) {
     r.q2.resize(M * K);
     r.d2.resize(M * H);
+    r.qsum2.resize(M * H);
   }
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -60,6 +62,7 @@ const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
       const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(res, _mm512_set1_ps(inv2)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q2.data() + i * kXGroup), _mm512_cvtsepi32_epi8(q2));
       r.d2[i] = d2;
+      r.qsum2[i] = _mm512_reduce_add_epi32(q2);
     }
     const float s = _mm512_reduce_add_ps(f);
     if (i % 2 == 0) r.sum[i / 2] = s;
@@ -92,8 +95,13 @@ const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
       }
       const float d2 = rmax / 127.f, inv2 = d2 > 0.f ? 1.f / d2 : 0.f;
       int8_t* q2 = r.q2.data() + i * kXGroup;
-      for (int e = 0; e < kXGroup; ++e) q2[e] = static_cast<int8_t>(std::nearbyint(res[e] * inv2));
+      int32_t qs2 = 0;
+      for (int e = 0; e < kXGroup; ++e) {
+        q2[e] = static_cast<int8_t>(std::nearbyint(res[e] * inv2));
+        qs2 += q2[e];
+      }
       r.d2[i] = d2;
+      r.qsum2[i] = qs2;
     }
     if (i % 2 == 0) r.sum[i / 2] = s;
     else r.sum[i / 2] += s;
@@ -192,10 +200,57 @@ void q8_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512
   for (int r = 0; r < R; ++r) out[r] = _mm512_mul_ps(acc[r], s);
 }
 
-// Kind: 0 int8, 1 int4, 2 int4 precise
+// int8 codes with a float16 scale per (row, group of 32): GGUF's Q8_0 grid, so a Q8_0
+// tensor's codes and scales come back exactly (the output projection, where a second
+// rounding decides ties between the top logits). Per group 512 bytes of codes as in
+// q8_tile, then the 16 rows' scales: 544 bytes. The activations always take two int8
+// levels here (precise): x's rounding moves every logit at once.
+template <int R>
+void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512 out[R]) {
+  const int64_t G = K / kGroup;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i lo_dot[R], hi_dot[R], lo_dot2[R], hi_dot2[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t hg = 2 * ((xrow + r) * G + g);
+      lo_dot[r] = _mm512_set1_epi32(-128 * xq.qsum[hg]);
+      hi_dot[r] = _mm512_set1_epi32(-128 * xq.qsum[hg + 1]);
+      lo_dot2[r] = _mm512_set1_epi32(-128 * xq.qsum2[hg]);
+      hi_dot2[r] = _mm512_set1_epi32(-128 * xq.qsum2[hg + 1]);
+    }
+    const uint8_t* wg = w + g * 544;
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wg + c * 64);
+      const __m512i u = _mm512_loadu_si512(wg + (c + 4) * 64);
+      for (int r = 0; r < R; ++r) {
+        const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
+        lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], v, bcast4(xq.q.data() + xo));
+        hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], u, bcast4(xq.q.data() + xo + 16));
+        lo_dot2[r] = _mm512_dpbusd_epi32(lo_dot2[r], v, bcast4(xq.q2.data() + xo));
+        hi_dot2[r] = _mm512_dpbusd_epi32(hi_dot2[r], u, bcast4(xq.q2.data() + xo + 16));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 512)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t hg = 2 * ((xrow + r) * G + g);
+      const float* dx = xq.d.data() + hg;
+      const float* dx2 = xq.d2.data() + hg;
+      __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(lo_dot[r]), _mm512_set1_ps(dx[0]));
+      dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot[r]), _mm512_set1_ps(dx[1]), dots);
+      dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot2[r]), _mm512_set1_ps(dx2[0]), dots);
+      dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot2[r]), _mm512_set1_ps(dx2[1]), dots);
+      acc[r] = _mm512_fmadd_ps(dots, d, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// Kind: 0 int8 (row scales), 1 int4, 2 int4 precise, 3 int8 blocks (Q8_0 grid, precise)
 template <int R, int Kind>
 void tile_rows(const uint8_t* w, const QuantX& xq, int64_t m0, int64_t K, __m512* out) {
   if constexpr (Kind == 0) q8_tile<R>(w, xq, m0, K, out);
+  else if constexpr (Kind == 3) q8b_tile<R>(w, xq, m0, K, out);
   else q4_tile<R, Kind == 2>(w, xq, m0, K, out);
 }
 
