@@ -115,6 +115,7 @@ def test_tiny_sampling_values_do_not_turn_into_nan():
                       presence=torch.zeros(3), frequency=torch.zeros(3),
                       repetition=torch.tensor([1.0, 1.0, 1e-38]), output_ids=[[], [], []],
                       prompt_ids=[[], [], [2]])
-    b.generators = [torch.Generator().manual_seed(s) for s in range(3)]
-    for _ in range(20):
+    b.seeds = [0, 1, 2]
+    for i in range(20):
+        b.indices = [i] * 3
         assert sample(logits, b).token_ids == [1, 1, 2]  # row 3: token 2 divided by the tiny penalty

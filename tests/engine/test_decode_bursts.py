@@ -1,4 +1,4 @@
-"""Several greedy decode steps as one engine step (SchedulerConfig.decode_steps): the same
+"""Several greedy or plain sampled decode steps as one engine step (SchedulerConfig.decode_steps): the same
 tokens, text, finish reasons and usage as one step at a time, through the native loop
 (bfloat16 + int4) and the step-by-step fallback (other models); stops inside a burst."""
 
@@ -74,7 +74,8 @@ def test_bursts_equal_single_steps_on_the_fallback_path(tiny):
 def test_requests_that_need_every_step_run_one_step_at_a_time(tiny):
     engine = make_engine(tiny, decode_steps=8)
     sched = engine.scheduler
-    for rid, sp in (("sampled", SamplingParams(temperature=0.8, seed=1, max_tokens=20)),
+    for rid, sp in (("top_p", SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=20)),
+                    ("top_k", SamplingParams(temperature=0.8, top_k=5, max_tokens=20)),
                     ("logprobs", SamplingParams(temperature=0, logprobs=2, max_tokens=20)),
                     ("penalty", SamplingParams(temperature=0, frequency_penalty=1.0, max_tokens=20)),
                     ("min_tokens", SamplingParams(temperature=0, min_tokens=6, max_tokens=20))):
@@ -168,14 +169,14 @@ def test_bursts_equal_single_steps_through_the_native_loop(smol_int4, monkeypatc
     model = smol_int4.model
     tok = smol_int4.tokenizer
     native = []
-    inner = model.decode_greedy
+    inner = model.decode_steps
 
     def counting(*args):
         toks = inner(*args)
         native.append(toks is not None)
         return toks
 
-    monkeypatch.setattr(model, "decode_greedy", counting)
+    monkeypatch.setattr(model, "decode_steps", counting)
     chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]),
                       add_special_tokens=False)
     requests = {
@@ -186,8 +187,14 @@ def test_bursts_equal_single_steps_through_the_native_loop(smol_int4, monkeypatc
                                                                          stop=["."])),
         "n2": (tok.encode("def fibonacci(n):"), SamplingParams(temperature=0, max_tokens=21, n=2,
                                                                 ignore_eos=True)),
-        # samples: the steps it shares run one at a time, the others burst
-        "sampled": (tok.encode("Once upon a time"), SamplingParams(temperature=0.7, seed=3, max_tokens=10)),
+        # sampled at a temperature: bursts too, drawing what single steps draw
+        "sampled": (tok.encode("Once upon a time"), SamplingParams(temperature=0.7, seed=3, max_tokens=40,
+                                                                    ignore_eos=True)),
+        "hot": (tok.encode("Once upon a time"), SamplingParams(temperature=1.5, seed=4, max_tokens=40,
+                                                                ignore_eos=True)),
+        # top-p: every step one at a time, beside the bursts of the others
+        "top_p": (tok.encode("Once upon a time"), SamplingParams(temperature=0.9, top_p=0.8, seed=5,
+                                                                  max_tokens=12)),
     }
     (one, one_steps), (burst, burst_calls) = _both(smol_int4, requests, num_blocks=128)
     assert burst == one

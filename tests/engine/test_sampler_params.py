@@ -73,10 +73,10 @@ def chi2(tokens: np.ndarray, p: np.ndarray) -> float:
 def draw(row: np.ndarray, n: int = N, seed: int = 0, *, temperature: float = 1.0, top_k: int = 0,
          top_p: float = 1.0, min_p: float = 0.0, bias: dict[int, float] | None = None,
          banned: list[int] | None = None) -> np.ndarray:
-    """n draws from one row's settings: the row repeated n times, one seeded generator."""
+    """n draws from one row's settings: the row repeated n times, one seed at n positions."""
     logits = torch.from_numpy(np.ascontiguousarray(row, dtype=np.float32)).repeat(n, 1)
     b = SamplingBatch(temperature=torch.full((n,), temperature), all_greedy=temperature == 0.0,
-                      generators=[torch.Generator().manual_seed(seed)] * n)
+                      seeds=[seed] * n, indices=list(range(n)))
     if top_k:
         b.top_k = torch.full((n,), top_k, dtype=torch.int64)
     if top_p < 1.0:
@@ -172,8 +172,9 @@ def test_temperature_samples_softmax_of_logits_over_t(temperature):
 def test_temperature_zero_rows_take_the_argmax_in_a_sampled_batch():
     logits = torch.from_numpy(LOGITS)
     b = SamplingBatch(temperature=torch.tensor([0.0, 1.0, 0.0]), all_greedy=False,
-                      top_k=torch.tensor([0, 2, 2]), generators=[torch.Generator().manual_seed(1)] * 3)
-    for _ in range(50):
+                      top_k=torch.tensor([0, 2, 2]), seeds=[1] * 3, indices=[0, 0, 0])
+    for i in range(50):
+        b.indices = [i] * 3
         out = sample(logits, b).token_ids
         assert out[0] == int(np.argmax(LOGITS[0])) and out[2] == int(np.argmax(LOGITS[2]))
 
@@ -348,11 +349,12 @@ MIXED = [  # one row's settings each; "pen": (presence, frequency, repetition, o
 ]
 
 
-def _mixed_batch(specs: list[dict], gens: list[torch.Generator]) -> SamplingBatch:
+def _mixed_batch(specs: list[dict], seeds: list[int], index: int) -> SamplingBatch:
     """A batch as the runner builds it: a field only when some row uses it."""
     n = len(specs)
     temps = [s.get("temperature", 1.0) for s in specs]
-    b = SamplingBatch(temperature=torch.tensor(temps), all_greedy=all(t == 0.0 for t in temps), generators=gens)
+    b = SamplingBatch(temperature=torch.tensor(temps), all_greedy=all(t == 0.0 for t in temps),
+                      seeds=seeds, indices=[index] * n)
     if any(s.get("top_k") for s in specs):
         b.top_k = torch.tensor([s.get("top_k", 0) for s in specs])
     if any("top_p" in s for s in specs):
@@ -367,7 +369,7 @@ def _mixed_batch(specs: list[dict], gens: list[torch.Generator]) -> SamplingBatc
         b.logit_bias = LogitBias.from_maps([s.get("bias") for s in specs])
     banned = [(i, s["banned"]) for i, s in enumerate(specs) if "banned" in s]
     b.banned = banned or None
-    assert len(gens) == n
+    assert len(seeds) == n
     return b
 
 
@@ -375,11 +377,10 @@ def test_rows_with_different_settings_do_not_affect_each_other():
     g = torch.Generator().manual_seed(2024)
     logits = torch.randn(len(MIXED), V, generator=g) * 1.5  # fixed, hand-picked settings above
     steps = 60
-    gens = [torch.Generator().manual_seed(100 + i) for i in range(len(MIXED))]
-    batched = [sample(logits, _mixed_batch(MIXED, gens)).token_ids for _ in range(steps)]
+    seeds = [100 + i for i in range(len(MIXED))]
+    batched = [sample(logits, _mixed_batch(MIXED, seeds, t)).token_ids for t in range(steps)]
     for i, spec in enumerate(MIXED):
-        gen = torch.Generator().manual_seed(100 + i)
-        alone = [sample(logits[i:i + 1], _mixed_batch([spec], [gen])).token_ids[0] for _ in range(steps)]
+        alone = [sample(logits[i:i + 1], _mixed_batch([spec], [100 + i], t)).token_ids[0] for t in range(steps)]
         assert [row[i] for row in batched] == alone, f"row {i}: {spec}"
     # the rows really sample (not a degenerate check), and their settings show
     cols = list(zip(*batched))

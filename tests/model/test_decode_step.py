@@ -38,10 +38,10 @@ class _Counting:
         self.rows.add(ids.shape[0])
         return self.inner.forward_logits(ids, *args)
 
-    def decode_greedy(self, ids, *args):
-        self.calls += args[-1]
+    def decode_steps(self, ids, *args):
+        self.calls += args[4]  # steps
         self.rows.add(ids.shape[0])
-        return self.inner.decode_greedy(ids, *args)
+        return self.inner.decode_steps(ids, *args)
 
 
 def test_fused_decode_step_equals_separate_ops(smol_int4):
@@ -166,6 +166,64 @@ def test_fused_logits_equal_forward_then_output_projection(smol_int4):
         fused.set_head(model.embed.float(), model.lm_head.tiles)
 
 
+def _steps(fused, ids, positions, tables, lens, bs, steps, temps=None, seeds=None, indices=None):
+    M = ids.shape[0]
+    temps = torch.zeros(M) if temps is None else temps
+    seeds = torch.zeros(M, dtype=torch.int64) if seeds is None else seeds
+    indices = torch.zeros(M, dtype=torch.int64) if indices is None else indices
+    return fused.decode_steps(ids, positions, tables, lens, bs, steps, temps, seeds, indices)
+
+
+def test_decode_steps_sampled_equal_forward_logits_and_sample_rows(smol_int4):
+    """Sampled rows of a burst draw as the engine's sampler (sample_rows) would step by
+    step, with the uniform of (seed, index + step); a greedy row beside them is the argmax."""
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+    fused = _fused_on_new_cache(smol_int4)
+    lens = torch.tensor([3, 7, 2])
+    tables = torch.tensor([[0, 3], [1, 4], [2, 5]])
+    ids = torch.tensor([17, 4242, 99])
+    temps = torch.tensor([1.0, 0.0, 0.6])
+    seeds = torch.tensor([7, 8, -(2 ** 63)], dtype=torch.int64)  # any 64 bits
+    indices = torch.tensor([0, 5, 11], dtype=torch.int64)
+    steps = 6
+    got = _steps(fused, ids, lens - 1, tables, lens, 16, steps, temps, seeds, indices)
+    want, cur = [], ids
+    for s in range(steps):
+        pos = lens - 1 + s
+        slots = tables.gather(1, (pos // 16).unsqueeze(1)).squeeze(1) * 16 + pos % 16
+        logits, best = fused.forward_logits(cur, pos, slots, tables, lens + s, 16)
+        drawn = ops.sample_rows(logits, temps.clamp(min=1e-3), seeds, indices + s)
+        cur = torch.where(temps > 0, drawn, best)
+        want.append(cur)
+    assert torch.equal(got, torch.stack(want))
+    assert len(set(got[:, 0].tolist())) > 1
+
+
+def test_sample_rows_follows_the_distribution():
+    """The native draw: inverse CDF of softmax(logits / T) from one uniform per (seed, index)."""
+    if ops is None:
+        pytest.skip("no native build")
+    from tokenmill.engine.sampler import position_seed
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1e30, 0.5] + [-50.0] * 11])
+    n = 6000
+    seeds = torch.arange(n, dtype=torch.int64)
+    idx = torch.full((n,), 3, dtype=torch.int64)
+    for T in (1.0, 0.5):
+        got = ops.sample_rows(logits.repeat(n, 1), torch.full((n,), T), seeds, idx)
+        p = torch.softmax(logits[0] / T, dim=0)
+        counts = torch.bincount(got, minlength=16).float()
+        assert counts[3] == 0 and counts[5:].sum() == 0  # masked and negligible tokens never come
+        sd = (n * p[:3] * (1 - p[:3])).sqrt()
+        assert ((counts[:3] - n * p[:3]).abs() < 4 * sd + 1).all(), (counts, n * p)
+    # the uniform of (seed, index) is splitmix64's, as the Python side computes it
+    u = (position_seed(12345, 6) >> 11) / 2 ** 53
+    row = torch.tensor([[0.0, 0.0]])  # two equal weights: token 1 iff u * 2 >= 1
+    tok = ops.sample_rows(row, torch.tensor([1.0]), torch.tensor([12345]), torch.tensor([6]))
+    assert int(tok) == int(u >= 0.5)
+
+
 def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
     if ops is None or not ops.decode_step_available():
         pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
@@ -177,7 +235,7 @@ def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
     tables = torch.tensor([[0, 3], [1, 4], [2, 5]])
     ids = torch.tensor([17, 4242, cfg.vocab_size - 1])
     steps = 6
-    got = fused.decode_greedy(ids, lens - 1, tables, lens, 16, steps)
+    got = _steps(fused, ids, lens - 1, tables, lens, 16, steps)
     assert got.dtype == torch.int64 and got.shape == (steps, 3)
     want, cur = [], ids
     for s in range(steps):
@@ -189,21 +247,21 @@ def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
     assert torch.equal(got, torch.stack(want))
     assert len(set(got[:, 2].tolist())) > 1  # a real continuation, not one token repeated
     with pytest.raises(RuntimeError, match="steps must be positive"):
-        fused.decode_greedy(ids, lens - 1, tables, lens, 16, 0)
+        _steps(fused, ids, lens - 1, tables, lens, 16, 0)
     with pytest.raises(RuntimeError, match="do not hold every step"):
-        fused.decode_greedy(ids, lens - 1, tables, lens, 16, 20)
+        _steps(fused, ids, lens - 1, tables, lens, 16, 20)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        fused.decode_greedy(ids, lens - 1, torch.tensor([[0, 3], [1, 4], [2, 10 ** 6]]), lens, 16, steps)
+        _steps(fused, ids, lens - 1, torch.tensor([[0, 3], [1, 4], [2, 10 ** 6]]), lens, 16, steps)
     with pytest.raises(RuntimeError, match="token id out of range"):
-        fused.decode_greedy(torch.tensor([-1, 0, 0]), lens - 1, tables, lens, 16, 1)
+        _steps(fused, torch.tensor([-1, 0, 0]), lens - 1, tables, lens, 16, 1)
     with pytest.raises(RuntimeError, match="positions are their lengths - 1"):
-        fused.decode_greedy(ids, lens + 20, tables, lens, 16, 1)
+        _steps(fused, ids, lens + 20, tables, lens, 16, 1)
     with pytest.raises(RuntimeError, match="block_size must be positive"):
-        fused.decode_greedy(ids, lens - 1, tables, lens, 0, 1)
+        _steps(fused, ids, lens - 1, tables, lens, 0, 1)
     # strided inputs are read as their values
     strided = torch.stack([ids, ids], dim=1)[:, 0]
     assert not strided.is_contiguous()
-    assert torch.equal(fused.decode_greedy(strided, lens - 1, tables, lens, 16, steps), got)
+    assert torch.equal(_steps(fused, strided, lens - 1, tables, lens, 16, steps), got)
 
 
 def test_fused_argmax_is_the_first_maximum_nan_largest():

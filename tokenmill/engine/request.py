@@ -9,6 +9,7 @@ A user request with n > 1 becomes n `Request`s (one per sample) sharing a
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 
 from tokenmill.engine.api import Priority, RequestTimes, SamplingParams
@@ -38,6 +39,9 @@ class Request:
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        # Sampling draws its random numbers from (seed, output position): the client's seed
+        # (offset by the choice's index, so n choices differ), else one drawn here.
+        self.seed = (params.seed + index) % 2 ** 64 if params.seed is not None else secrets.randbits(64)
         self.priority = int(priority)
         self.tenant = tenant
         # Isolation key of the prefix cache: tenant and the client's own salt.

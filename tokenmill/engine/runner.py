@@ -4,7 +4,9 @@ sampled tokens. It reads only what the SchedulerOutput carries.
 Inputs are built with vector ops (numpy) over the whole batch; the only Python
 loops are per sequence. A seeded request's random numbers are drawn from a generator
 seeded by (its seed, the output position), so its tokens depend on neither the batch
-nor how many tokens a step makes (decode bursts, speculative drafts).
+nor how many tokens a step makes (decode bursts, speculative drafts): see
+tokenmill/engine/sampler.py. Greedy and plain sampled decodes run several steps in one
+native call (decode bursts) that draws as the sampler does.
 
 Speculative drafts (tokenmill/engine/spec): a request's last known token and its k
 drafts run as k + 1 single-token decode rows of one step, row j at position start + j
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.api import TokenLogprob
-from tokenmill.engine.sampler import LogitBias, SamplingBatch, TokenMask, sample
+from tokenmill.engine.sampler import LogitBias, SamplingBatch, TokenMask, as_int64, sample
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
 from tokenmill.model.kernels import native_ops_for
@@ -33,16 +35,6 @@ from tokenmill.model.kernels import native_ops_for
 # an all-greedy batch never reads the temperatures; a fresh empty tensor took ~50 us a
 # step (right after the native step, with the caches cold)
 _NO_TEMPERATURES = torch.zeros(0)
-_MASK64 = 2 ** 64 - 1
-
-
-def position_seed(seed: int, index: int) -> int:
-    """The seed of output position `index` of a request seeded with `seed` (splitmix64:
-    neighbouring positions and seeds get unrelated streams)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
 
 
 @dataclass
@@ -71,10 +63,14 @@ class ModelRunner:
         return self._step(out.scheduled)
 
     def _decode_steps(self, sch: list[ScheduledRequest], steps: int) -> RunnerOutput:
-        """`steps` greedy decode steps, each step's argmax the next one's input: one native
-        call where the model has it, else step by step (the same tokens either way)."""
+        """`steps` decode steps (greedy or plain sampled), each step's token the next one's
+        input: one native call where the model has it, else step by step (the same tokens
+        either way)."""
         inputs = self._inputs(sch)
-        toks = self.model.decode_greedy(*inputs[:3], self.kv_cache, steps)
+        temps = torch.tensor([0.0 if s.params.greedy else s.params.temperature for s in sch], dtype=torch.float32)
+        seeds = torch.tensor([as_int64(s.seed) for s in sch], dtype=torch.int64)
+        indices = torch.tensor([len(s.output_token_ids) for s in sch], dtype=torch.int64)
+        toks = self.model.decode_steps(*inputs[:3], self.kv_cache, steps, temps, seeds, indices)
         if toks is not None:
             return RunnerOutput(sampled={s.request_id: toks[:, i].tolist() for i, s in enumerate(sch)})
         result = RunnerOutput(sampled={s.request_id: [] for s in sch})
@@ -83,7 +79,8 @@ class ModelRunner:
             inputs = None
             for s in sch:
                 result.sampled[s.request_id] += step.sampled[s.request_id]
-            sch = [replace(s, token_ids=step.sampled[s.request_id], start=s.start + 1) for s in sch]
+            sch = [replace(s, token_ids=step.sampled[s.request_id], start=s.start + 1,
+                           output_token_ids=s.output_token_ids + step.sampled[s.request_id]) for s in sch]
         return result
 
     def _inputs(self, sch: list[ScheduledRequest]):
@@ -216,9 +213,8 @@ class ModelRunner:
                 b.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
             if any(p.min_p > 0.0 for p in params):
                 b.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-            if any(s.seed is not None for s in rows):
-                b.generators = [torch.Generator().manual_seed(position_seed(s.seed, len(s.output_token_ids)))
-                                if s.seed is not None else None for s in rows]
+            b.seeds = [s.seed for s in rows]
+            b.indices = [len(s.output_token_ids) for s in rows]
         if any(p.has_penalties for p in params):
             b.presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
             b.frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)

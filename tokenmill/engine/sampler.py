@@ -1,10 +1,15 @@
 """Token selection over a batch of logits, vectorized across rows.
 
 Fixed order: grammar masks (structured outputs) -> stop-token masking (min_tokens) -> logit_bias -> penalties ->
-temperature (fp32) -> top-k / top-p / min-p -> softmax -> sample. Greedy rows are
-taken by argmax (after masking, bias and penalties) and merged with `torch.where`; a
-batch that is all greedy skips the rest. Seeded rows draw from their own generator,
-so a seeded request's tokens do not depend on what else is in the batch. Logprobs
+temperature (fp32) -> top-k / top-p / min-p -> draw. Greedy rows are taken by argmax
+(after masking, bias and penalties) and merged with `torch.where`; a batch that is all
+greedy skips the rest.
+
+The draw (`draw`): inverse CDF over softmax(logits / temperature) with one uniform per
+(request seed, output position) (`position_seed`; a request without a client seed gets
+a random one), computed by the native csrc/sampling.h that the decode bursts also run,
+so a sampled request's tokens depend on neither its batch nor whether a step ran alone,
+in a burst or as a speculative row. Logprobs
 (the sampled token's and the top ones) are of the model's distribution before stop
 masking, bias, penalties, temperature and truncation; for a row under a grammar, of
 that distribution restricted to the tokens the grammar allows (renormalized).
@@ -16,6 +21,7 @@ keeps tokens whose probability is at least min_p times the largest.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from itertools import chain
 
@@ -23,6 +29,47 @@ import numpy as np
 import torch
 
 from tokenmill.engine.api import GREEDY_BELOW
+from tokenmill.model.kernels import native_ops
+
+_MASK64 = 2 ** 64 - 1
+# a masked token's logit for the draw (the native code assumes finite math): weighs 0
+_MASKED = -1e30
+
+
+def position_seed(seed: int, index: int) -> int:
+    """The random bits of output position `index` of a request seeded with `seed`
+    (splitmix64: neighbouring positions and seeds get unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def as_int64(seed: int) -> int:
+    """A 64-bit seed as the int64 with the same bits (for tensors)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def draw(logits: torch.Tensor, temps: torch.Tensor, seeds: list[int], indices: list[int]) -> torch.Tensor:
+    """One token per row of logits [B, V] float32 (masked tokens at -inf or _MASKED), at
+    temps [B] float32 (> 0), from the uniform of (seeds[b], indices[b]): int64 [B]."""
+    logits = logits.float().clamp(min=_MASKED)
+    ops = native_ops()
+    seeds_t = torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64)
+    indices_t = torch.tensor(indices, dtype=torch.int64)
+    if ops is not None:
+        return ops.sample_rows(logits, temps.float(), seeds_t, indices_t)
+    # Without the native code: the same definition in torch (the float sums may round
+    # differently, so a seeded token can differ from a native machine's in rare cases).
+    B, V = logits.shape
+    m = logits.max(dim=-1, keepdim=True).values
+    x = (logits - m) * (1.0 / temps.float()).unsqueeze(1)
+    e = torch.where(x > -87.0, torch.exp(x), torch.zeros_like(x)).double()
+    cum = e.cumsum(dim=-1)
+    u = torch.tensor([(position_seed(s, i) >> 11) / 2.0 ** 53 for s, i in zip(seeds, indices)],
+                     dtype=torch.float64)
+    idx = torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return idx.clamp(max=V - 1)
 
 
 @dataclass
@@ -72,7 +119,8 @@ class SamplingBatch:
     top_k: torch.Tensor | None = None  # [B] int64; 0 = off
     top_p: torch.Tensor | None = None  # [B] fp32; 1 = off
     min_p: torch.Tensor | None = None  # [B] fp32; 0 = off
-    generators: list[torch.Generator | None] | None = None  # per row; None = shared RNG
+    seeds: list[int] | None = None  # per row (Request.seed); set unless all greedy
+    indices: list[int] | None = None  # per row: the output position being sampled
     # penalties (all None when no row has any)
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
@@ -180,18 +228,18 @@ def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None =
     else:
         temp = b.temperature
         is_greedy = temp < GREEDY_BELOW  # (fp32 logits / a tinier temperature overflow)
-        scaled = logits / torch.where(is_greedy, torch.ones_like(temp), temp).unsqueeze(1)
-        scaled = _apply_top_k_top_p_min_p(scaled, b)
-        probs = scaled.softmax(dim=-1)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        q = torch.empty_like(probs)
-        q.exponential_()
-        if b.generators is not None:
-            for row, gen in enumerate(b.generators):
-                if gen is not None:
-                    q[row].exponential_(generator=gen)
-        sampled = _argmax(probs / q)
-        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+        safe_temp = torch.where(is_greedy, torch.ones_like(temp), temp)
+        if b.top_k is not None or b.top_p is not None or b.min_p is not None:
+            kept = _apply_top_k_top_p_min_p(logits / safe_temp.unsqueeze(1), b)
+            logits = logits.masked_fill(kept == float("-inf"), float("-inf"))
+        sampled_rows = (~is_greedy).nonzero().squeeze(1)
+        tokens = greedy_tokens.clone()
+        if len(sampled_rows):
+            rows = sampled_rows.tolist()
+            # (a batch built without seeds draws at random)
+            seeds = [b.seeds[r] for r in rows] if b.seeds is not None else [secrets.randbits(64) for _ in rows]
+            indices = [b.indices[r] for r in rows] if b.indices is not None else [0] * len(rows)
+            tokens[sampled_rows] = draw(logits[sampled_rows], safe_temp[sampled_rows], seeds, indices)
     out = SamplerOutput(token_ids=tokens.tolist())
     if raw_logprobs is not None:
         out.logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()

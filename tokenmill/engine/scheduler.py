@@ -32,7 +32,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool  # the chunk ends at the request's last known token: sample the next one
     params: SamplingParams
-    seed: int | None
+    seed: int  # Request.seed
     output_token_ids: list[int]  # so far; for penalties (a reference, not a copy)
     prompt_token_ids: list[int]
     banned_token_ids: list[int]  # stop tokens masked while min_tokens is unmet
@@ -284,7 +284,7 @@ class Scheduler:
                 block_ids=self.kv.blocks_of(req.request_id),
                 sample=end == req.num_tokens,
                 params=sp,
-                seed=None if sp.seed is None else (sp.seed + req.index) % 2 ** 64,
+                seed=req.seed,
                 output_token_ids=req.output_token_ids,
                 prompt_token_ids=req.prompt_token_ids,
                 banned_token_ids=(list(req.eos_token_ids) + sp.stop_token_ids
@@ -297,14 +297,15 @@ class Scheduler:
     def _burst_steps(self, reqs: list[Request]) -> int:
         """How many decode steps these decodes (one token each, blocks for it allocated)
         run in one go: decode_steps shared among them, 1 unless each one's next tokens
-        depend on nothing but the argmax (greedy, no logprobs, no penalties, no bias, no
-        grammar, min_tokens met), capped by each one's remaining length; the blocks for the extra steps are
+        depend on nothing but the logits and its seed (greedy, or sampled at a temperature
+        without top-k/top-p/min-p; no logprobs, no penalties, no bias, no grammar,
+        min_tokens met), capped by each one's remaining length; the blocks for the extra steps are
         allocated here (1, allocating nothing, if the pool can't hold them all)."""
         steps = self.config.decode_steps // len(reqs)
         for req in reqs:
             sp = req.params
-            if (not sp.greedy or sp.logprobs is not None or sp.has_penalties or sp.logit_bias
-                    or sp.structured is not None or req.num_output_tokens < sp.min_tokens):
+            if (not (sp.greedy or sp.plain_sampling) or sp.logprobs is not None or sp.has_penalties
+                    or sp.logit_bias or sp.structured is not None or req.num_output_tokens < sp.min_tokens):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens,
                         self.config.max_model_len - req.num_tokens)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention, row_view
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.quant import Int4Linear, Int8Linear
+from tokenmill.model.quant import Int4Linear, Int8BlockLinear
 
 FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
 
@@ -201,8 +201,8 @@ class LlamaModel:
                 # (the separate ops run the same kernels: the same numbers at any row count)
                 self._fused_rows = FUSED_DECODE_ROWS
                 head = self.lm_head
-                if (isinstance(head, Int8Linear) and head._vnni is not None and head.float_out
-                        and head.bias is None and self.embed.dtype == torch.bfloat16 and self.embed.is_contiguous()):
+                if (isinstance(head, Int8BlockLinear) and self.embed.dtype == torch.bfloat16
+                        and self.embed.is_contiguous()):
                     self._fused.set_head(self.embed, head.tiles)
                     self._fused_head = True
         if not self._fused or rows >= self._fused_rows:
@@ -235,16 +235,19 @@ class LlamaModel:
         return logits, best
 
     @torch.inference_mode()
-    def decode_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      kv_cache, steps: int) -> torch.Tensor | None:
-        """`steps` single-token decode steps in one native call, each step's argmax the next
-        step's token (the tokens decode_logits and an argmax would pick step by step):
-        int64 [steps, T]. The block tables must hold every step's slot. None where the
-        fused path does not apply."""
+    def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     kv_cache, steps: int, temps: torch.Tensor, seeds: torch.Tensor,
+                     indices: torch.Tensor) -> torch.Tensor | None:
+        """`steps` single-token decode steps in one native call, each step's token the next
+        step's input: the argmax where temps [T] is 0, else sampled at that temperature with
+        the uniform of (seeds [T], indices [T] + step), as the engine's sampler draws
+        (csrc/sampling.h): the tokens step-by-step decoding would pick. int64 [steps, T].
+        The block tables must hold every step's slot. None where the fused path does not
+        apply."""
         if not self._fused_to_logits(meta, input_ids.shape[0], kv_cache):
             return None
-        return self._fused.decode_greedy(input_ids, positions, meta.block_tables, meta.seq_lens,
-                                         meta.block_size, steps)
+        return self._fused.decode_steps(input_ids, positions, meta.block_tables, meta.seq_lens,
+                                        meta.block_size, steps, temps, seeds, indices)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

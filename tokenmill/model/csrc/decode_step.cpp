@@ -21,6 +21,7 @@
 #include "decode_attention.h"
 #include "quant_tiles.h"
 #include "rows.h"
+#include "sampling.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #define TM_FUSED_DECODE 1
@@ -164,14 +165,14 @@ class DecodeModel {
     return out;
   }
 
-  // The output projection (int8 tiles, see quant_gemv.cpp) and the embedding, for
-  // forward_logits. The projection's float32 logits are the ones q8_gemv gives.
+  // The output projection (int8 block tiles, see quant_gemv.cpp) and the embedding, for
+  // forward_logits. The projection's float32 logits are the ones q8b_gemv gives.
   void set_head(torch::Tensor embed, torch::Tensor head_tiles) {
     TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.dim() == 2 && embed.size(1) == hidden_ &&
                     embed.is_contiguous(), "embed: contiguous bf16 [vocab, hidden]");
     TORCH_CHECK(head_tiles.scalar_type() == at::kByte && head_tiles.dim() == 2 && head_tiles.is_contiguous() &&
-                    head_tiles.size(1) == 64 + hidden_ / tm_quant::kGroup * 512, "head: uint8 int8 tiles [N/16, 64 + K/32 * 512]");
-    // each step's argmax indexes the embedding in decode_greedy
+                    head_tiles.size(1) == hidden_ / tm_quant::kGroup * 544, "head: uint8 int8 block tiles [N/16, K/32 * 544]");
+    // each step's token indexes the embedding in decode_steps
     TORCH_CHECK(head_tiles.size(0) * tm_quant::kTile <= embed.size(0), "head rows beyond the embedding");
     embed_ = embed;
     head_ = head_tiles;
@@ -196,24 +197,34 @@ class DecodeModel {
     return {logits, best};
   }
 
-  // `steps` greedy decode steps in one call: each step's argmax is the next step's token,
+  // `steps` decode steps in one call: each step's token is the next step's input,
   // positions and lengths grow by one a step, slots come from the block tables (which
   // must already hold the blocks for every step). ids, positions, seq_lens [M];
-  // block_tables [M, max_blocks]. Returns the tokens [steps, M]: row s is what step s
-  // chose, the same tokens `steps` forward_logits calls would give.
+  // block_tables [M, max_blocks]; temps float32 [M] (0: the argmax, else sampled at that
+  // temperature with the uniform of (seeds[b], indices[b] + step), see sampling.h).
+  // Returns the tokens [steps, M]: row s is what step s chose, the same tokens `steps`
+  // forward_logits calls and the engine's sampler would give.
   // Why: between two steps the Python of an engine step (schedule, sample, update) costs
   // a tenth of a batch-1 step, most of it cache misses after the weight stream.
-  torch::Tensor decode_greedy(torch::Tensor ids, torch::Tensor positions, torch::Tensor block_tables,
-                              torch::Tensor seq_lens, int64_t block_size, int64_t steps) {
+  torch::Tensor decode_steps(torch::Tensor ids, torch::Tensor positions, torch::Tensor block_tables,
+                             torch::Tensor seq_lens, int64_t block_size, int64_t steps, torch::Tensor temps,
+                             torch::Tensor seeds, torch::Tensor indices) {
     TORCH_CHECK(head_.defined(), "set_head first");
     TORCH_CHECK(steps >= 1, "steps must be positive");
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids: int64 [M]");
     const int64_t M = ids.numel(), V = head_.size(0) * tm_quant::kTile;
-    for (const auto* t : {&positions, &seq_lens})
-      TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == M, "int64 [M] positions, lengths");
+    for (const auto* t : {&positions, &seq_lens, &seeds, &indices})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == M, "int64 [M] positions, lengths, seeds, indices");
+    TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.numel() == M, "temps: float32 [M]");
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == M,
                 "block tables [M, blocks]");
     TORCH_CHECK(block_size >= 1, "block_size must be positive");
+    auto tc = temps.contiguous();
+    auto sc = seeds.contiguous();
+    auto ic = indices.contiguous();
+    const float* tp = tc.data_ptr<float>();
+    const int64_t* seedp = sc.data_ptr<int64_t>();
+    const int64_t* idxp = ic.data_ptr<int64_t>();
     // private copies the loop advances
     auto cur = ids.clone(at::MemoryFormat::Contiguous);
     auto pos = positions.clone(at::MemoryFormat::Contiguous);
@@ -248,6 +259,11 @@ class DecodeModel {
       }
       Head head{logits.data_ptr<float>(), op + s * M, V};
       step(h, pos, slots, tables, lens, block_size, h, &head);
+      for (int64_t b = 0; b < M; ++b)
+        if (tp[b] > 0.f)
+          op[s * M + b] = tm_sample::sample_row(logits.data_ptr<float>() + b * V, V, tp[b],
+                                                tm_sample::uniform(static_cast<uint64_t>(seedp[b]),
+                                                                   static_cast<uint64_t>(idxp[b] + s)), sample_buf_);
       for (int64_t b = 0; b < M; ++b) {
         cp[b] = op[s * M + b];
         ++pp[b];
@@ -400,10 +416,10 @@ class DecodeModel {
       }
       if (head) {
         // every thread holds the final norm's output: no barrier before the projection
-        const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, false);
+        const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, true);
         const int64_t V = head->V;
         const auto [t0, t1] = share(V / 16, tid, nt);
-        tm_quant::tiles_range<0>(head_.data_ptr<uint8_t>(), head_.size(1), xq, M, hid, V, t0, t1, head->logits);
+        tm_quant::tiles_range<3>(head_.data_ptr<uint8_t>(), head_.size(1), xq, M, hid, V, t0, t1, head->logits);
         if (tid < threads && t1 > t0)
           for (int64_t b = 0; b < M; ++b) {
             const float* row = head->logits + b * V;
@@ -429,10 +445,37 @@ class DecodeModel {
   std::vector<Mat> mats_;
   std::vector<torch::Tensor> norms_, k_, v_, ks_, vs_;  // ks_, vs_: an int8 cache's scales
   torch::Tensor embed_, head_;  // optional (set_head)
+  std::vector<float> sample_buf_;
   torch::Tensor cos_, sin_;
   int64_t L_ = 0, H_, Hkv_, D_, hidden_ = 0, inter_ = 0;
   double eps_, scale_;
 };
+
+// logits [B, V] float32 -> int64 [B]: row b sampled at temps[b] (> 0) with the uniform of
+// (seeds[b], indices[b]), as decode_steps samples (sampling.h). The engine's sampler draws
+// every sampled row through this.
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor seeds, torch::Tensor indices) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.size(1) > 0, "logits: float32 [B, V]");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.numel() == B, "temps: float32 [B]");
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.numel() == B && indices.scalar_type() == at::kLong &&
+                  indices.numel() == B, "seeds, indices: int64 [B]");
+  auto lc = logits.contiguous();
+  auto tc = temps.contiguous();
+  auto sc = seeds.contiguous();
+  auto ic = indices.contiguous();
+  auto out = torch::empty({B}, sc.options());
+  std::vector<float> buf;
+  for (int64_t b = 0; b < B; ++b) {
+    const float t = tc.data_ptr<float>()[b];
+    TORCH_CHECK(t > 0.f, "sample_rows: temperatures must be positive");
+    out.data_ptr<int64_t>()[b] = tm_sample::sample_row(
+        lc.data_ptr<float>() + b * V, V, t,
+        tm_sample::uniform(static_cast<uint64_t>(sc.data_ptr<int64_t>()[b]),
+                           static_cast<uint64_t>(ic.data_ptr<int64_t>()[b])), buf);
+  }
+  return out;
+}
 
 // The fused head's argmax over one row (a multiple of 16 long), for tests.
 int64_t first_max_row(torch::Tensor row) {
@@ -463,7 +506,9 @@ void bind_decode_step(pybind11::module& m) {
       // touches no Python object: other Python threads (the server's) run during a step
       .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_logits", &DecodeModel::forward_logits, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("decode_greedy", &DecodeModel::decode_greedy, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("decode_steps", &DecodeModel::decode_steps, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("sample_rows", &sample_rows, "sample each row at its temperature with the uniform of (seed, index)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("first_max", &first_max_row, "the fused step's argmax over one float32 row: the first maximum, NaN largest");
   m.def("decode_step_available", &decode_step_available, "whether the fused int4 decode step was built");
 }
