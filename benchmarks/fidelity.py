@@ -157,7 +157,7 @@ def main() -> None:
             print(f"  (no llama-server at {binary}: build it with benchmarks/peers.py --server-only)",
                   file=sys.stderr)
     ref = runs[0]
-    print(f"\n| Run | exact matches | mean agreed prefix |\n|---|---|---|")
+    print("\n| Run | exact matches | mean agreed prefix |\n|---|---|---|")
     scores = {}
     for r in runs:
         same, share = r.score(ref)
