@@ -59,8 +59,11 @@ def test_bursts_equal_single_steps_on_the_fallback_path(tiny):
         "stop_tok": (_prompt(12), SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok])),
         "n2": (_prompt(20, 3), SamplingParams(temperature=0, max_tokens=19, n=2)),
         "short": (_prompt(5, 9), SamplingParams(temperature=0, max_tokens=3)),
+        # plain sampled: the fallback steps advance the output position the draw uses
+        "sampled": (_prompt(8, 5), SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)),
     }
     (one, one_steps), (burst, burst_calls) = _both(tiny, requests, max_model_len=64)
+    assert len(set(one[0][("sampled", 0)])) > 5
     assert burst == one
     assert one[0][("stop_tok", 0)] == greedy[:first + 1] and one[2][("stop_tok", 0)] == ("stop", stop_tok)
     assert one[3][("long", 0)] == 37
