@@ -104,7 +104,7 @@ def test_int4_kernel_matches_its_definition(rows):
     x = torch.randn(rows, 320, generator=_gen(rows)).to(torch.bfloat16)
     xa, sums = _quantized_activations(x)
     # w = q * d + m: the q*d part meets the rounded activations, m the exact group sums
-    qd = (lin._q.view(96, -1, GROUP).float() * lin.d.float()[..., None]).view(96, 320)
+    qd = (lin.codes().view(96, -1, GROUP).float() * lin.d.float()[..., None]).view(96, 320)
     want = xa @ qd.T + sums @ lin.m.float().T
     got = lin._vnni.q4_gemv(x, lin.tiles, True, False)
     # exact but for rare rounding ties of an activation (x * (1/d) vs torch's order)
@@ -180,7 +180,7 @@ def test_int4_kernel_with_zero_and_outlier_groups(precise):
     x = torch.randn(3, 256, generator=_gen(1))
     x[:, :16] = 0.0
     x[1, 40] = 60.0
-    qd = (lin._q.view(64, -1, GROUP).float() * lin.d.float()[..., None]).view(64, 256)
+    qd = (lin.codes().view(64, -1, GROUP).float() * lin.d.float()[..., None]).view(64, 256)
     for inp in (x, x.to(torch.bfloat16)):
         got = lin._vnni.q4_gemv(inp, lin.tiles, True, precise)
         if precise:

@@ -70,3 +70,18 @@ def test_without_vnni_torch_kernels_compute_the_same_weights(cls, monkeypatch):
     x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     want = x.float() @ lin.dequantize().T
     assert torch.allclose(lin(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_int4_codes_come_back_from_the_tiles():
+    """With the VNNI tiles the codes are kept only inside them (a byte a weight saved)."""
+    from tokenmill.model.quant import pack_int4_tiles, unpack_int4_tiles
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (48, 96), generator=g, dtype=torch.uint8)
+    d = torch.rand(48, 3, generator=g).to(torch.float16)
+    m = torch.rand(48, 3, generator=g).to(torch.float16)
+    assert torch.equal(unpack_int4_tiles(pack_int4_tiles(q, d, m), 48, 96), q)
+    lin = Int4Linear(_weight(n=48, k=96))
+    if lin._vnni is not None:
+        assert lin._q is None
+    assert lin.codes().shape == (48, 96) and int(lin.codes().max()) <= 15

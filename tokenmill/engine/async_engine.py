@@ -24,13 +24,16 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import EngineConfig, RequestBounds
 from tokenmill.engine.api import (EngineDeadError, EngineStats, Priority, RequestLimits, RequestOutput,
                                   SamplingParams)
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.loader import LoadedModel, load_metadata, load_model
+from tokenmill.model.metadata import load_metadata
+
+if TYPE_CHECKING:
+    from tokenmill.model.loader import LoadedModel
 from tokenmill.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -249,6 +252,8 @@ class AsyncEngine(EngineFront):
 
         if self._loaded is None:
             m = self.config.model
+            from tokenmill.model.loader import load_model  # (torch: in the engine's thread or process only)
+
             self._loaded = load_model(m.path, m.dtype, m.quantization)
         self.engine = LLMEngine(self._loaded, self.config)
         self._limits = self.engine.limits

@@ -28,7 +28,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.engine.api import EngineDeadError, InvalidParameter
 from tokenmill.engine.async_engine import AbortCommand, AddCommand, EngineFront, run_commands
-from tokenmill.model.loader import load_metadata
+from tokenmill.model.metadata import load_metadata
 
 log = logging.getLogger("tokenmill.engine")
 _STOP = "stop"

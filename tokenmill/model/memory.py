@@ -11,7 +11,9 @@ Where huge pages are unavailable the buffers are ordinary ones.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import threading
 
 import torch
 
@@ -42,18 +44,47 @@ def hugepage_empty(nbytes: int) -> torch.Tensor:
     return buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
 
 
-def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_SLICE = 16 << 20
+
+
+def _populate_in_background(buf: torch.Tensor) -> bool:
+    """Fault buf's pages in from a daemon thread with madvise(MADV_POPULATE_WRITE), which
+    maps them writable without writing them: the owner may use the buffer meanwhile, and
+    its contents stay the mapping's zeros. False where libc cannot be reached."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    addr, size = buf.data_ptr(), buf.numel() * buf.element_size()
+
+    def populate() -> None:
+        # In slices: the call holds the process's memory-map lock, and one call over 2 GiB
+        # held up every mmap meanwhile (a thread's stack: the engine's first message
+        # waited seconds). A kernel without it answers EINVAL: pages then fault in on use.
+        for at in range(0, size, _POPULATE_SLICE):
+            if madvise(addr + at, min(_POPULATE_SLICE, size - at), _MADV_POPULATE_WRITE) != 0:
+                return
+
+    threading.Thread(target=populate, daemon=True, name="tokenmill-populate").start()
+    return True
+
+
+def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype, background: bool = False) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype), on huge pages where possible, every page touched
     now: left to fault in as a server hands out blocks, each first touch of a 2 MiB page
     (zeroing, compaction) landed inside a step, and a first batch of 16 requests took 3x
-    longer."""
+    longer. background: the pages are faulted in by a thread instead, and this returns at
+    once (a 2 GiB KV cache took ~2 s of a server's start to touch)."""
     numel = 1
     for s in shape:
         numel *= s
     buf = _mapped(numel * torch.empty((), dtype=dtype).element_size())
     if buf is None:
         return torch.zeros(shape, dtype=dtype)
-    buf.zero_()
+    if not (background and _populate_in_background(buf)):
+        buf.zero_()
     return buf.view(dtype).view(shape)
 
 

@@ -38,6 +38,11 @@ def _vnni_ops() -> Any | None:
     return ops if ops is not None and ops.quant_gemv_vnni() else None
 
 
+def quant_vnni_available() -> bool:
+    """Whether quantized linears pack for the native VNNI kernels (else torch's packing)."""
+    return _vnni_ops() is not None
+
+
 def _tileable(n: int, k: int) -> bool:
     return n % TILE == 0 and k % GROUP == 0
 
@@ -54,6 +59,14 @@ def pack_int4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
     dm = torch.stack([d.view(t, TILE, g).transpose(1, 2), m.view(t, TILE, g).transpose(1, 2)], dim=2)
     dm = dm.contiguous().view(torch.uint8).view(t, g, 4 * TILE)
     return torch.cat([codes, dm], dim=-1).view(t, g * 320)
+
+
+def unpack_int4_tiles(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_int4_tiles' codes back: uint8 [N, K]."""
+    t, g = n // TILE, k // GROUP
+    v = tiles.reshape(t, g, 320)[:, :, :256].reshape(t, g, 4, TILE, 4)  # tile, group, chunk, row, byte
+    nib = torch.stack([v & 0x0F, v >> 4], dim=-1)  # ..., nibble
+    return nib.permute(0, 3, 1, 5, 2, 4).reshape(n, k).contiguous()
 
 
 def pack_int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -82,6 +95,18 @@ def pack_int8_blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 class _Quantized:
     """Shared by both widths: one kernel for every row count (see the module's doc)."""
     bias: torch.Tensor | None
+    _vnni: Any
+
+    # Pickled into the prepared-weights cache (tokenmill/model/prepared.py): the native
+    # module is looked up again on load rather than pickled.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_vnni"] = self._vnni is not None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._vnni = _vnni_ops() if state["_vnni"] else None
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -185,20 +210,28 @@ class Int4Linear(_Quantized):
         self.d = ((hi - lo) / 15.0).clamp(min=1e-7).to(torch.float16)
         self.m = lo.to(torch.float16)
         d, m = self.d.float()[..., None], self.m.float()[..., None]
-        self._q = ((g - m) / d).round().clamp(0, 15).to(torch.uint8).view(n, k)
+        q = ((g - m) / d).round().clamp(0, 15).to(torch.uint8).view(n, k)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = n, k
         self._vnni = _vnni_ops()
+        # the codes themselves only where the tiles do not hold them (a byte a weight: more
+        # than the tiles' 0.625)
+        self._q: torch.Tensor | None = None
         if self._vnni is not None:
-            self.tiles = pack_int4_tiles(self._q, self.d, self.m)
+            self.tiles = pack_int4_tiles(q, self.d, self.m)
         else:
+            self._q = q
             # torch's kernel computes (q - 8) * scale + zero with bf16 scale and zero
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(self._q.to(torch.int32), 1)
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.scales_zeros = torch.stack([self.d.float(), self.m.float() + 8.0 * self.d.float()],
                                             dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
+    def codes(self) -> torch.Tensor:
+        """The codes q [N, K] (0..15)."""
+        return self._q if self._q is not None else unpack_int4_tiles(self.tiles, self.out_features, self.in_features)
+
     def dequantize(self) -> torch.Tensor:
-        q = self._q.view(self.out_features, -1, GROUP).float()
+        q = self.codes().view(self.out_features, -1, GROUP).float()
         return (q * self.d.float()[..., None] + self.m.float()[..., None]).view(self.out_features, self.in_features)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:

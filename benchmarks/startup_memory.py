@@ -1,0 +1,133 @@
+"""Cold start and resident memory, tokenmill against llama-server on the same GGUF.
+
+    python benchmarks/startup_memory.py [--rounds 3] [--tokens 32768]
+
+Each round starts each server in turn (interleaved) and measures the seconds from the
+command to its readiness path answering 200 (polled every 50 ms), then sends 16 requests
+at once and reads the resident memory of the server's whole process group (the
+tokenmill front process and its engine child; /proc/<pid>/status VmRSS, summed). Both
+hold the same number of KV tokens: llama-server `--ctx-size N --parallel 16` (N cells
+shared by 16 slots), tokenmill `--kv-cache-gb` sized to N tokens of its bf16 cache.
+tokenmill's prepared-weights cache is warm (the first start of a round 0 warms it and is
+reported apart). llama-server comes from benchmarks/peers.py --server-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from servers import free_port  # noqa: E402
+from tokenmill.model.metadata import default_model_path, load_metadata  # noqa: E402
+
+LLAMA_SERVER = ROOT / ".peers" / "llama-server" / "bin" / "llama-server"
+
+
+def group_rss_mb(pgid: int) -> float:
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(rest[2]) != pgid:
+                continue
+            for line in (entry / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1024
+
+
+def run_one(cmd: list[str], ready_path: str) -> tuple[float, float]:
+    port = free_port()
+    cmd = [c.format(port=port) for c in cmd]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
+            try:
+                if httpx.get(base + ready_path, timeout=1.0, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 300:
+                raise RuntimeError(f"{cmd[0]} not ready in 300 s")
+            time.sleep(0.05)
+        ready = time.perf_counter() - t0
+        model = httpx.get(base + "/v1/models", timeout=5, trust_env=False).json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "Write a short story about a lighthouse."}],
+                "max_tokens": 64, "temperature": 0}
+
+        def one(_):
+            return httpx.post(base + "/v1/chat/completions", json=body, timeout=120, trust_env=False).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            codes = list(ex.map(one, range(16)))
+        if set(codes) != {200}:
+            raise RuntimeError(f"{cmd[0]} answered {codes}")
+        return ready, group_rss_mb(proc.pid)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32768, help="KV tokens both servers hold")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args()
+    gguf = default_model_path()
+    cfg, _ = load_metadata(gguf)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V
+    kv_gb = args.tokens * per_token / 1024 ** 3
+    servers = {
+        "tokenmill": ([str(ROOT / ".venv" / "bin" / "tokenmill"), "serve", "--port", "{port}",
+                       "--kv-cache-gb", f"{kv_gb:.4f}"], "/ready"),
+    }
+    if LLAMA_SERVER.exists():
+        servers["llama-server"] = ([str(LLAMA_SERVER), "-m", gguf, "--port", "{port}", "--threads",
+                                    str(args.threads), "--ctx-size", str(args.tokens), "--parallel", "16"],
+                                   "/health")
+    else:
+        print(f"(no llama-server at {LLAMA_SERVER}: benchmarks/peers.py --server-only builds it)")
+    first = run_one(*servers["tokenmill"])  # warms the prepared-weights cache if cold
+    results: dict[str, list[tuple[float, float]]] = {n: [] for n in servers}
+    for _ in range(args.rounds):
+        for name, (cmd, path) in servers.items():
+            results[name].append(run_one(cmd, path))
+    print(f"{args.tokens} KV tokens each (tokenmill --kv-cache-gb {kv_gb:.3f}); medians of {args.rounds}; "
+          f"tokenmill's first start this run: ready {first[0]:.2f} s")
+    print("| server | ready (s) | resident after 16 requests (MB) |\n|---|---|---|")
+    med = {}
+    for name, rs in results.items():
+        med[name] = (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+        print(f"| {name} | {med[name][0]:.2f} | {med[name][1]:.0f} |")
+    if "llama-server" in med:
+        a, b = med["tokenmill"], med["llama-server"]
+        print(f"tokenmill / llama-server: ready {a[0] / b[0]:.2f}x, memory {a[1] / b[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The prepared-weights cache (tokenmill/model/prepared.py): a quantized model is
+prepared once, announced on stderr, and later loads map the saved result, which computes
+exactly what a fresh preparation does."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.llm import LLM
+from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.model.loader import load_model
+
+
+def _greedy(loaded, prompt):
+    llm = LLM(loaded, config=EngineConfig(cache=CacheConfig(kv_cache_gb=0.05)))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return llm.generate([prompt, prompt[:5]], sp)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_PREPARED_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_prepared_once_then_mapped_with_the_same_outputs(embedded_path, cache_dir, capfd):
+    first = load_model(embedded_path, "bfloat16", "int4")
+    err = capfd.readouterr().err
+    assert "preparing SmolLM2-135M-Instruct.Q4_1.gguf" in err and "prepared in" in err
+    files = [f for f in os.listdir(cache_dir) if f.endswith(".pt")]
+    assert len(files) == 1
+    second = load_model(embedded_path, "bfloat16", "int4")
+    assert "preparing" not in capfd.readouterr().err
+    prompt = second.tokenizer.encode("The capital of France is")
+    a, b = _greedy(first, prompt), _greedy(second, prompt)
+    assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+    for x, y in zip(first.model.linears(), second.model.linears()):
+        assert torch.equal(x.tiles, y.tiles)
+    # a touched file with the same bytes is a hit; another quantization another entry
+    if os.access(embedded_path, os.W_OK):
+        os.utime(embedded_path)
+    load_model(embedded_path, "bfloat16", "int4")
+    assert "preparing" not in capfd.readouterr().err
+    load_model(embedded_path, "bfloat16", "int8")
+    assert "preparing" in capfd.readouterr().err
+    assert len([f for f in os.listdir(cache_dir) if f.endswith(".pt")]) == 2
+
+
+def test_an_unreadable_cache_file_is_prepared_again(embedded_path, cache_dir, capfd):
+    load_model(embedded_path, "bfloat16", "int4")
+    (path,) = [cache_dir / f for f in os.listdir(cache_dir) if f.endswith(".pt")]
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    capfd.readouterr()
+    loaded = load_model(embedded_path, "bfloat16", "int4")
+    assert "preparing" in capfd.readouterr().err
+    prompt = loaded.tokenizer.encode("Hello")
+    assert len(_greedy(loaded, prompt)[0].outputs[0].token_ids) == 12
+
+
+def test_off_writes_nothing_and_dense_models_are_not_cached(embedded_path, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("TOKENMILL_PREPARED_DIR", "off")
+    load_model(embedded_path, "bfloat16", "int4")
+    assert "preparing" not in capfd.readouterr().err
+    monkeypatch.setenv("TOKENMILL_PREPARED_DIR", str(tmp_path))
+    load_model(embedded_path, "float32")
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".pt")]

@@ -1,0 +1,142 @@
+"""Prepared weights on disk, so that a start after the first skips the preparation.
+
+Loading a quantized model dequantizes the file's blocks, requantizes and repacks them
+for the native kernels: ~2 s of a 135M model's start on two cores, the same every time.
+The built model (LlamaModel with its packed weights) is saved once with torch.save and
+read back by later starts (0.3 s instead of 2.2 for the embedded model), its packed
+weights then copied onto huge pages as a fresh build places them. (Read, not mapped: the
+mapped file's pages that the copy touched stayed resident beside it, +50 MB.)
+
+The file is keyed by what decides its contents: the model's bytes (a digest, remembered
+per path, size, mtime and inode so a start does not rehash 100 MB), the dtype and
+quantization, the model package's sources (a code change invalidates it), torch's
+version, whether the VNNI kernels are used, and FORMAT. Anything unreadable is rebuilt.
+The directory is $TOKENMILL_PREPARED_DIR (`off` disables the cache), else
+$XDG_CACHE_HOME/tokenmill/prepared (~/.cache by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+FORMAT = 1
+_SOURCES = ("llama.py", "quant.py", "loader.py", "memory.py", "attention.py", "config.py", "gguf_loader.py",
+            "safetensors_loader.py", "prepared.py")
+log = logging.getLogger("tokenmill.model")
+
+
+def prepared_root() -> str | None:
+    root = os.environ.get("TOKENMILL_PREPARED_DIR")
+    if root:
+        return None if root == "off" else os.path.abspath(os.path.expanduser(root))
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "tokenmill", "prepared")
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return sorted(os.path.join(path, f) for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
+    return [path]
+
+
+def model_digest(path: str, root: str) -> str:
+    """A digest of the model's bytes (a file, or a folder's files), remembered in
+    <root>/digests.json against each file's (size, mtime, inode)."""
+    memo_path = os.path.join(root, "digests.json")
+    try:
+        with open(memo_path, encoding="utf-8") as f:
+            memo = json.load(f)
+    except (OSError, ValueError):
+        memo = {}
+    outer = hashlib.sha256()
+    changed = False
+    for name in _files(path):
+        st = os.stat(name)
+        real = os.path.realpath(name)
+        sig = [st.st_size, st.st_mtime_ns, st.st_ino]
+        entry = memo.get(real)
+        if entry is None or entry[:3] != sig:
+            h = hashlib.blake2b(digest_size=20)
+            with open(name, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+            entry = sig + [h.hexdigest()]
+            memo[real] = entry
+            changed = True
+        outer.update(os.path.basename(name).encode() + b"\0" + entry[3].encode())
+    if changed:
+        _write_atomic(memo_path, json.dumps(memo).encode())
+    return outer.hexdigest()
+
+
+def _sources_digest() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+def cache_file(path: str, dtype: torch.dtype, quantization: str, vnni: bool) -> str | None:
+    """Where this model's prepared weights live (whether or not they exist yet); None when
+    the cache is off or its directory cannot be made."""
+    root = prepared_root()
+    if root is None:
+        return None
+    try:
+        os.makedirs(root, exist_ok=True)
+        facts = {"model": model_digest(path, root), "dtype": str(dtype), "quantization": quantization,
+                 "vnni": vnni, "sources": _sources_digest(), "torch": torch.__version__, "format": FORMAT}
+    except OSError as exc:
+        log.warning("prepared-weights cache unavailable (%s): preparing every start", exc)
+        return None
+    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(root, f"{key}.pt")
+
+
+def load(file: str) -> Any | None:
+    """The saved model, memory-mapped; None if missing or unreadable (then removed)."""
+    if not os.path.exists(file):
+        return None
+    try:
+        return torch.load(file, mmap=False, weights_only=False)
+    except Exception as exc:  # a truncated or foreign file: prepare again
+        log.warning("prepared weights %s unreadable (%s: %s): preparing again", file, type(exc).__name__, exc)
+        try:
+            os.remove(file)
+        except OSError:
+            pass
+        return None
+
+
+def save(model: Any, file: str) -> None:
+    """Write atomically (a concurrent start sees the old state or the whole file); a
+    failure to write costs only the next start's time."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            torch.save(model, f)
+        os.replace(tmp, file)
+    except OSError as exc:
+        log.warning("could not save prepared weights to %s: %s", file, exc)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def say(msg: str) -> None:
+    """One line on stderr: a long preparation says what it does."""
+    print(f"tokenmill: {msg}", file=sys.stderr, flush=True)
