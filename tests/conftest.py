@@ -46,3 +46,11 @@ def smol_int4(embedded_path):
     from tokenmill.model.loader import load_model
 
     return load_model(embedded_path, "bfloat16", "int4")
+
+
+@pytest.fixture(scope="session")
+def smol_int8(embedded_path):
+    """The embedded model with int8 matmuls (Q8_0 blocks where the VNNI kernels run)."""
+    from tokenmill.model.loader import load_model
+
+    return load_model(embedded_path, "bfloat16", "int8")

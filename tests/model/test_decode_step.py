@@ -44,9 +44,12 @@ class _Counting:
         return self.inner.decode_steps(ids, *args)
 
 
-def test_fused_decode_step_equals_separate_ops(smol_int4):
+@pytest.mark.parametrize("which", ["smol_int4", "smol_int8"])
+def test_fused_decode_step_equals_separate_ops(which, request):
+    """int4 layers, and int8 ones (Q8_0 block tiles), run fused as they run op by op."""
     if ops is None or not ops.decode_step_available():
         pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+    smol_int4 = request.getfixturevalue(which)
     model = smol_int4.model
     tok = smol_int4.tokenizer
     prompts = {
@@ -95,7 +98,7 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
     mats = [layer.qkv.tiles, layer.o_proj.tiles, layer.gate_up.tiles, layer.down.tiles]
     norms = [layer.input_norm, layer.post_norm, model.norm]
     args = (model.cos32, model.sin32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
-    dm = ops.DecodeModel(mats, [True, False, False, True], norms, *args)  # one layer builds
+    dm = ops.DecodeModel(mats, [2, 1, 1, 2], norms, *args)  # one layer builds
     k = torch.zeros(cfg.num_kv_heads, 64, cfg.head_dim, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="bfloat16 or int8, the same slots"):
         dm.bind_cache([k], [k.float()], [], [])
@@ -105,9 +108,9 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
         scales = torch.zeros(cfg.num_kv_heads, 32)
         dm.bind_cache([k.to(torch.int8)], [k.to(torch.int8)], [scales], [scales])
     with pytest.raises(RuntimeError, match="2 norms a layer"):
-        ops.DecodeModel(mats, [False] * 4, norms[:2], *args)
+        ops.DecodeModel(mats, [1] * 4, norms[:2], *args)
     with pytest.raises(RuntimeError, match="do not chain"):
-        ops.DecodeModel([mats[1], mats[0], mats[2], mats[3]], [False] * 4, norms, *args)
+        ops.DecodeModel([mats[1], mats[0], mats[2], mats[3]], [1] * 4, norms, *args)
     with pytest.raises(RuntimeError, match="bind_cache first"):
         dm.forward(torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64),
                    torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),

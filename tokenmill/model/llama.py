@@ -196,12 +196,13 @@ class LlamaModel:
             lins = list(self.layer_linears())
             usable = (self.dtype == torch.bfloat16 and hasattr(ops, "decode_step_available")
                       and ops.decode_step_available()
-                      and all(isinstance(lin, Int4Linear) and lin._vnni is not None and lin.bias is None
+                      and all(isinstance(lin, (Int4Linear, Int8BlockLinear)) and lin._vnni is not None
+                              and lin.bias is None
                               for lin in lins))
             if usable:
                 cfg = self.cfg
                 norms = [w for layer in self.layers for w in (layer.input_norm, layer.post_norm)] + [self.norm]
-                self._fused = ops.DecodeModel([lin.tiles for lin in lins], [lin.precise for lin in lins], norms,
+                self._fused = ops.DecodeModel([lin.tiles for lin in lins], [lin.tile_kind for lin in lins], norms,
                                               self.cos32, self.sin32, cfg.num_heads, cfg.num_kv_heads,
                                               cfg.head_dim, cfg.rms_norm_eps, self.scale)
                 # (the separate ops run the same kernels: the same numbers at any row count)

@@ -153,15 +153,15 @@ class Int8Linear(_Quantized):
 
 
 class Int8BlockLinear(_Quantized):
-    """The output projection: int8 codes with a float16 scale per 32 inputs of a row, as
+    """The output projection, and the int8 mode's layers: int8 codes with a float16 scale per 32 inputs of a row, as
     GGUF's Q8_0 stores them (d = max|w| / 127 in float16, q = round(w / d)), so a Q8_0
     head's codes and scales come back exactly from its dequantized weights, and its
     inputs in two int8 levels: float32 logits within ~1e-4 of the float product. Per-row
     int8 there (a second rounding of the file's Q8_0 weights, one level of activations)
     changed greedy answers most of all (benchmarks/fidelity.py). Needs the VNNI kernels;
-    build_model falls back to Int8Linear without them."""
+    without them Int8Linear serves (output_projection, quantize_linear)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = True):
         w = weight.float()
         n, k = w.shape
         if not _tileable(n, k):
@@ -174,12 +174,15 @@ class Int8BlockLinear(_Quantized):
         d = self.d.float()[..., None]
         q = torch.where(d > 0, g / torch.where(d > 0, d, 1.0), 0.0).round().clamp(-127, 127).to(torch.int8)
         self.tiles = pack_int8_blocks(q.view(n, k), self.d)
-        self.bias = None
+        self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = n, k
-        self.float_out = True
+        # the output projection keeps float32 logits; a layer's output is in its input's dtype
+        self.float_out = float_out
+
+    tile_kind = 3  # csrc/quant_tiles.h: int8 blocks (the fused decode step reads it)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._vnni.q8b_gemv(x, self.tiles, True)
+        return self._vnni.q8b_gemv(x, self.tiles, self.float_out)
 
     @property
     def nbytes(self) -> int:
@@ -226,6 +229,11 @@ class Int4Linear(_Quantized):
             self.scales_zeros = torch.stack([self.d.float(), self.m.float() + 8.0 * self.d.float()],
                                             dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
+    @property
+    def tile_kind(self) -> int:
+        """csrc/quant_tiles.h's kind of these tiles (the fused decode step reads it)."""
+        return 2 if self.precise else 1
+
     def codes(self) -> torch.Tensor:
         """The codes q [N, K] (0..15)."""
         return self._q if self._q is not None else unpack_int4_tiles(self.tiles, self.out_features, self.in_features)
@@ -250,6 +258,9 @@ class Int4Linear(_Quantized):
 def quantize_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, precise: bool = False):
     """precise: the layer's inputs carry outlier channels (int4 only; see Int4Linear)."""
     if kind == "int8":
+        n, k = weight.shape
+        if _vnni_ops() is not None and _tileable(n, k):
+            return Int8BlockLinear(weight, bias, float_out=False)  # Q8_0's grid: a Q8_0 file's own blocks
         return Int8Linear(weight, bias)
     if kind == "int4":
         n, k = weight.shape

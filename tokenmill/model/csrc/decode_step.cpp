@@ -82,21 +82,21 @@ inline int64_t first_max(const float* row, int64_t c0, int64_t c1) {
 struct Mat {
   torch::Tensor tiles;
   int64_t n = 0, k = 0, tile_bytes = 0;
-  bool precise = false;
+  int64_t kind = 1;  // tm_quant's tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks (precise)
 };
 
 }  // namespace
 
 class DecodeModel {
  public:
-  // mats: per layer qkv, o, gate_up, down (int4 tiles, see quant_gemv.cpp); precise: the
-  // same order; norms: per layer input and post-attention norms, then the final norm;
-  // cos, sin [max_pos, head_dim / 2] float32.
-  DecodeModel(std::vector<torch::Tensor> mats, std::vector<bool> precise, std::vector<torch::Tensor> norms,
+  // mats: per layer qkv, o, gate_up, down (tiles, see quant_gemv.cpp); kinds: the same
+  // order, 1 int4, 2 int4 with precise activations, 3 int8 blocks; norms: per layer input
+  // and post-attention norms, then the final norm; cos, sin [max_pos, head_dim / 2] float32.
+  DecodeModel(std::vector<torch::Tensor> mats, std::vector<int64_t> kinds, std::vector<torch::Tensor> norms,
               torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t Hkv, int64_t head_dim, double eps,
               double scale)
       : cos_(cos.contiguous()), sin_(sin.contiguous()), H_(H), Hkv_(Hkv), D_(head_dim), eps_(eps), scale_(scale) {
-    TORCH_CHECK(mats.size() % 4 == 0 && !mats.empty() && precise.size() == mats.size(), "4 matmuls a layer");
+    TORCH_CHECK(mats.size() % 4 == 0 && !mats.empty() && kinds.size() == mats.size(), "4 matmuls a layer");
     L_ = static_cast<int64_t>(mats.size() / 4);
     TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L_ + 1), "2 norms a layer and a final one");
 #if defined(__AVX512F__)  // (without it the step is unavailable and tm_decode is not built)
@@ -107,9 +107,11 @@ class DecodeModel {
                 "cos, sin: float32 [positions, head_dim / 2]");
     for (size_t i = 0; i < mats.size(); ++i) {
       const auto& t = mats[i];
-      TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() && t.size(1) % 320 == 0,
-                  "int4 tiles [N/16, K/32 * 320]");
-      mats_.push_back({t, t.size(0) * 16, t.size(1) / 320 * 32, t.size(1), static_cast<bool>(precise[i])});
+      const int64_t kind = kinds[i], group_bytes = kind == 3 ? 544 : 320;
+      TORCH_CHECK(kind >= 1 && kind <= 3, "tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks");
+      TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() && t.size(1) % group_bytes == 0,
+                  "tiles [N/16, K/32 * ", group_bytes, "]");
+      mats_.push_back({t, t.size(0) * 16, t.size(1) / group_bytes * 32, t.size(1), kind});
     }
     for (auto& n : norms) {
       TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.is_contiguous(), "bfloat16 norms");
@@ -342,8 +344,12 @@ class DecodeModel {
     const BF16* h0 = h.data_ptr<BF16>();
     BF16* outp = out.data_ptr<BF16>();
     auto mm = [&](const Mat& m, const QuantX& xq, int64_t t0, int64_t t1, BF16* y) {
-      if (m.precise) tm_quant::tiles_range<2>(m.tiles.data_ptr<uint8_t>(), m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
-      else tm_quant::tiles_range<1>(m.tiles.data_ptr<uint8_t>(), m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
+      const uint8_t* w = m.tiles.data_ptr<uint8_t>();
+      switch (m.kind) {
+        case 1: return tm_quant::tiles_range<1>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
+        case 2: return tm_quant::tiles_range<2>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
+        default: return tm_quant::tiles_range<3>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
+      }
     };
 #pragma omp parallel
     {
@@ -361,7 +367,7 @@ class DecodeModel {
         float* vsc = vs_.empty() ? nullptr : vs_[l].data_ptr<float>();
         // qkv, split by heads so each thread ropes and caches the heads it computed
         {
-          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[0].precise);
+          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[0].kind >= 2);
           const auto [h0_, h1_] = share(H + 2 * Hkv, tid, nt);
           mm(w[0], xq, h0_ * D / 16, h1_ * D / 16, qkv.data());
           for (int64_t hd = h0_; hd < h1_; ++hd)
@@ -389,7 +395,7 @@ class DecodeModel {
         {
           for (int64_t b = 0; b < M; ++b)
             tm_decode::merge_units<BF16, D>(parts.data(), first, b, Hkv, g, attn.data() + b * H * D);
-          const QuantX& xq = tm_quant::quantize_rows(attn.data(), M, H * D, w[1].precise);
+          const QuantX& xq = tm_quant::quantize_rows(attn.data(), M, H * D, w[1].kind >= 2);
           const auto [t0, t1] = share(w[1].n / 16, tid, nt);
           mm(w[1], xq, t0, t1, o.data());
         }
@@ -398,14 +404,14 @@ class DecodeModel {
           const BF16* post = norms_[2 * l + 1].data_ptr<BF16>();
           for (int64_t b = 0; b < M; ++b)
             tm_rows::add_rms_row(hp.data() + b * hid, o.data() + b * hid, post, xp.data() + b * hid, hid, eps);
-          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[2].precise);
+          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[2].kind >= 2);
           const auto [t0, t1] = share(w[2].n / 16, tid, nt);
           mm(w[2], xq, t0, t1, gu.data());
         }
 #pragma omp barrier
         {
           for (int64_t b = 0; b < M; ++b) tm_rows::silu_mul_row(gu.data() + b * 2 * I, act.data() + b * I, I);
-          const QuantX& xq = tm_quant::quantize_rows(act.data(), M, I, w[3].precise);
+          const QuantX& xq = tm_quant::quantize_rows(act.data(), M, I, w[3].kind >= 2);
           const auto [t0, t1] = share(w[3].n / 16, tid, nt);
           mm(w[3], xq, t0, t1, dn.data());
         }
@@ -499,7 +505,7 @@ bool decode_step_available() {
 
 void bind_decode_step(pybind11::module& m) {
   pybind11::class_<DecodeModel>(m, "DecodeModel")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<bool>, std::vector<torch::Tensor>, torch::Tensor,
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, torch::Tensor,
                           torch::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("bind_cache", &DecodeModel::bind_cache)
       .def("set_head", &DecodeModel::set_head)
