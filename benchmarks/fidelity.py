@@ -40,9 +40,10 @@ LLAMA_SERVER = ROOT / ".peers" / "llama-server" / "bin" / "llama-server"
 MODES = {
     "exact": ("float32", "none", "auto"),
     "bfloat16": ("bfloat16", "none", "auto"),
-    "default": ("bfloat16", "int4", "auto"),
+    "default": ("bfloat16", "auto", "auto"),  # the file's blocks: int4 for 4-bit files, int8 for Q8_0
+    "int4": ("bfloat16", "int4", "auto"),
     "int8": ("bfloat16", "int8", "auto"),
-    "default+kv8": ("bfloat16", "int4", "int8"),
+    "default+kv8": ("bfloat16", "auto", "int8"),
 }
 
 

@@ -63,16 +63,21 @@ def _run(cmd: list[str], log: Path, env: Optional[dict[str, str]] = None, cwd: O
         subprocess.run(cmd, check=True, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
 
+# Pinned: a published comparison must name the peer it measured (its vendored llama.cpp
+# calls itself 0.5.0-dev; the sdist carries no commit).
+LLAMA_CPP_PYTHON = "0.3.36"
+
+
 def fetch_sdist(cache: Path, base_python: str) -> Path:
-    """The llama-cpp-python sdist from PyPI, downloaded once."""
+    """The llama-cpp-python sdist (LLAMA_CPP_PYTHON) from PyPI, downloaded once."""
     src = cache / "src"
     src.mkdir(parents=True, exist_ok=True)
-    found = sorted(src.glob("llama_cpp_python-*.tar.gz"))
-    if found:
-        return found[-1]
+    name = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if (src / name).exists():
+        return src / name
     _run([base_python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-          "-d", str(src), "llama-cpp-python"], cache / "sdist.log")
-    found = sorted(src.glob("llama_cpp_python-*.tar.gz"))
+          "-d", str(src), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], cache / "sdist.log")
+    found = sorted(src.glob(name))
     if not found:
         raise RuntimeError("pip download produced no llama-cpp-python sdist")
     return found[-1]
@@ -130,6 +135,7 @@ def build_llama_server(cache: Path, sdist: Path, jobs: int) -> Optional[Path]:
         binary.parent.mkdir(parents=True, exist_ok=True)
         for tool in TOOLS:
             shutil.copy2(build / "bin" / tool, binary.parent / tool)
+        (out / "VERSION").write_text(sdist.name.removesuffix(".tar.gz") + "\n")
         shutil.rmtree(build, ignore_errors=True)  # ~1 GB of objects; the static binary is enough
         return binary
     except (subprocess.CalledProcessError, OSError, tarfile.TarError) as exc:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 METRICS: tuple[tuple[str, str, bool], ...] = (
     ("decode_c1", "single-stream decode tok/s (c=1, p50)", True),
     ("ttft_p50_c1", "TTFT p50 ms (c=1)", False),
+    ("ttft512", "TTFT p50 ms, 512-token prompt (c=1)", False),
     ("ttft_p99_c1", "TTFT p99 ms (c=1)", False),
     ("ttft_p50_c16", "TTFT p50 ms (c=16)", False),
     ("ttft_p99_c16", "TTFT p99 ms (c=16)", False),
@@ -39,6 +40,26 @@ def metrics_of(results: dict[str, Any]) -> dict[str, Optional[float]]:
     ok = sum(r["num_ok"] for r in runs)
     out["mean_output_tokens"] = sum(r["output_tokens_total"] for r in runs) / ok if ok else None
     return out
+
+
+def ttft_p50(results: dict[str, Any]) -> Optional[float]:
+    """The long-prompt TTFT runs' median (benchmarks/compare.py puts them under "ttft")."""
+    runs = results.get("ttft") or []
+    return _dig(runs[0], ("ttft_ms", "p50")) if runs else None
+
+
+def engine_table(engine: dict[str, dict[str, Any]]) -> str:
+    """Markdown: per format, llama-bench's pp512 / tg128 beside tokenmill's offline engine."""
+    lines = ["| format | tokenmill runs it as | pp512 tok/s: tokenmill | llama-bench | ratio "
+             "| tg128 tok/s: tokenmill | llama-bench | ratio |", "|---|---|---|---|---|---|---|---|"]
+    for fmt, row in engine.items():
+        tm, lb = row.get("tokenmill", {}), row.get("llama-bench", {})
+        cells = [fmt, tm.get("quantization", "-")]
+        for key in ("pp512", "tg128"):
+            a, b = tm.get(key), lb.get(key)
+            cells += [_fmt(a), _fmt(b), f"{a / b:.2f}x" if a and b else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def median_metrics(reps: list[dict[str, Optional[float]]]) -> dict[str, Optional[float]]:
@@ -92,8 +113,9 @@ def ratio_table(metrics: dict[str, dict[str, Optional[float]]]) -> str:
     return "\n".join(lines)
 
 
-def docs_block(table: str, command: str, when: str, machine: str, workload: dict[str, Any],
+def docs_block(sections: list[tuple[str, str]], command: str, when: str, machine: str, workload: dict[str, Any],
                notes: dict[str, str], skipped: dict[str, str], quick: bool, repeat: int = 1) -> str:
+    """The generated block: how it was run, then a (heading, table) per section."""
     lines = [
         BEGIN,
         f"### Latest comparison ({'quick' if quick else 'full'} run, {when})",
@@ -102,13 +124,17 @@ def docs_block(table: str, command: str, when: str, machine: str, workload: dict
         "",
         f"- machine: {machine}",
         f"- workload: {workload.get('workload_desc', '')}; closed loop at concurrency 1, 4, 16; "
-        f"greedy; seed {workload.get('seed')}; 2 unrecorded warm-up requests per server"
-        + (f"; each metric is the median of {repeat} repeats" if repeat > 1 else ""),
+        f"greedy; seed {workload.get('seed')}; 2 unrecorded warm-up requests per server start; then "
+        f"fresh 512-token prompts one at a time for TTFT"
+        + (f"; each metric is the median of {repeat} repeats, interleaved (each repeat starts every "
+           f"server afresh, servers taking turns going first)" if repeat > 1 else ""),
         "- ratios are tokenmill / peer: above 1 is better for tok/s rows, below 1 is better for TTFT rows",
     ]
     lines += [f"- {name}: {note}" for name, note in notes.items()]
     lines += [f"- not measured: {name}: {why}" for name, why in skipped.items()]
-    lines += ["", table, "", END]
+    for heading, table in sections:
+        lines += ["", f"#### {heading}", "", table]
+    lines += ["", END]
     return "\n".join(lines)
 
 

@@ -18,11 +18,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 MODEL_HELP = "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)."
 DTYPE_HELP = ("Compute dtype: float32 or bfloat16 (default). --dtype float32 alone is the exact mode "
               "(no quantization); quantized weights compute in bfloat16.")
-QUANT_HELP = ("Weight-only quantization: none, int8 or int4. The default, int4 (bfloat16 compute), is the "
-              "fastest setting within 1% perplexity of float32 (see benchmarks/quality.py); with --dtype float32 "
-              "the default is none.")
+QUANT_HELP = ("Weight-only quantization: auto, none, int8 or int4 (bfloat16 compute). The default, auto, keeps "
+              "the file's blocks: int8 for a Q8_0 file, int4 for 4-bit ones and for float weights (the fastest "
+              "setting within 1% perplexity of float32, see benchmarks/quality.py); with --dtype float32 the "
+              "default is none.")
 DEFAULT_DTYPE = "bfloat16"
-DEFAULT_QUANT = "int4"
+DEFAULT_QUANT = "auto"
 
 
 def resolve_precision(dtype: Optional[str], quantization: Optional[str]) -> tuple[str, str]:
@@ -31,8 +32,8 @@ def resolve_precision(dtype: Optional[str], quantization: Optional[str]) -> tupl
     no quantization unless one is asked for (which is refused)."""
     if dtype is not None and dtype not in ("float32", "bfloat16"):
         _fail(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-    if quantization is not None and quantization not in ("none", "int8", "int4"):
-        _fail(f"--quantization must be none, int8 or int4, got {quantization!r}")
+    if quantization is not None and quantization not in ("auto", "none", "int8", "int4"):
+        _fail(f"--quantization must be auto, none, int8 or int4, got {quantization!r}")
     if dtype == "float32":
         if quantization not in (None, "none"):
             _fail(f"--quantization {quantization} computes in bfloat16, so it cannot run with --dtype float32; "

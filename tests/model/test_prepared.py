@@ -68,3 +68,22 @@ def test_off_writes_nothing_and_dense_models_are_not_cached(embedded_path, tmp_p
     monkeypatch.setenv("TOKENMILL_PREPARED_DIR", str(tmp_path))
     load_model(embedded_path, "float32")
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".pt")]
+
+
+def test_auto_keeps_the_files_blocks(embedded_path, cache_dir):
+    """`auto` (the CLI's default) runs a Q8_0 file as int8 and a 4-bit or float one as int4,
+    resolved before the prepared weights' cache key."""
+    from tokenmill.model.loader import file_quantization
+
+    loaded = load_model(embedded_path, "bfloat16", "auto")
+    assert loaded.quantization == "int4"  # the embedded file's layers are Q4_1
+    assert {t for n, t in loaded.gguf_qtypes.items() if n.startswith("blk.") and "norm" not in n} >= {"Q4_1"}
+    q8 = {f"blk.{i}.{x}.weight": "Q8_0" for i in range(2) for x in ("attn_q", "ffn_up")}
+    assert file_quantization({**q8, "blk.0.attn_norm.weight": "F32", "token_embd.weight": "Q8_0"}) == "int8"
+    assert file_quantization({"blk.0.attn_q.weight": "F16", "blk.0.ffn_up.weight": "F16"}) == "int4"
+    assert file_quantization(None) == "int4"  # a Hugging Face folder
+    # resolved before the cache key: `auto` and `int4` share one prepared file
+    from tokenmill.model import prepared
+    from tokenmill.model.quant import quant_vnni_available
+
+    assert os.path.exists(prepared.cache_file(embedded_path, torch.bfloat16, "int4", quant_vnni_available()))

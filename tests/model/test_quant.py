@@ -85,3 +85,49 @@ def test_int4_codes_come_back_from_the_tiles():
     if lin._vnni is not None:
         assert lin._q is None
     assert lin.codes().shape == (48, 96) and int(lin.codes().max()) <= 15
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_keeps_a_gguf_files_own_blocks(qtype):
+    """A Q4_0 or Q4_1 tensor (quantized by the gguf package's reference code) comes back
+    from Int4Linear as it was: its codes are recovered, not rounded a second time."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    t = getattr(GGMLQuantizationType, qtype)
+    w = _weight(n=64, k=256, seed=3).numpy()
+    w[:, ::7] *= -3.0  # some groups with a negative extreme, some with a positive one
+    stored = quants.dequantize(quants.quantize(w, t), t)
+    got = Int4Linear(torch.from_numpy(stored)).dequantize().numpy()
+    np.testing.assert_array_equal(got, stored)
+    # the old min/max grid alone does not reproduce Q4_0: the test can fail
+    if qtype == "Q4_0":
+        g = torch.from_numpy(stored).view(64, -1, 32)
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = ((hi - lo) / 15).to(torch.float16).float()[..., None]
+        q = ((g - lo.to(torch.float16).float()[..., None]) / d).round().clamp(0, 15)
+        assert (q * d + lo.to(torch.float16).float()[..., None] - g).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("precise,vnni", [(False, True), (True, True), (False, False)])
+def test_int4_kernels_take_q4_0_blocks_with_either_sign(precise, vnni, monkeypatch):
+    """Q4_0 groups whose extreme weight is positive keep a negative scale: every kernel
+    (VNNI tiles, precise or not, and torch's) computes with it as with any other."""
+    from gguf import GGMLQuantizationType, quants
+
+    from tokenmill.model import quant
+
+    if not vnni:
+        monkeypatch.setattr(quant, "_vnni_ops", lambda: None)
+
+    t = GGMLQuantizationType.Q4_0
+    w = _weight(n=64, k=256, seed=4).numpy()
+    w[::2] *= -1.0
+    stored = torch.from_numpy(quants.dequantize(quants.quantize(w, t), t))
+    lin = Int4Linear(stored, precise=precise)
+    assert (lin.d < 0).any() and (lin.d > 0).any()
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = x.float() @ stored.T
+        got = lin(x).float()
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

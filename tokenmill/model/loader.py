@@ -31,6 +31,7 @@ class LoadedModel:
     config: ModelConfig
     path: str
     gguf_qtypes: dict[str, str] | None = None  # per-tensor quant type names for GGUF sources
+    quantization: str = "none"  # what the weights run as (`auto` resolved)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -163,6 +164,10 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
         cfg = gf.model_config()
         tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
         qtypes = {n: gf.qtype(n).name for n in gf.tensors}
+    if quantization == "auto":
+        quantization = file_quantization(qtypes)
+        kept = "the file's Q8_0 blocks" if quantization == "int8" else "4-bit blocks"
+        prepared.say(f"{os.path.basename(path)}: weights run as {quantization} (--quantization auto: {kept})")
     # Only quantized models are worth caching: a dense one is its file's tensors converted.
     file = None
     if quantization != "none":
@@ -170,7 +175,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     model = prepared.load(file) if file else None
     if model is not None:
         _pack_tiles(model)
-        return LoadedModel(model, tokenizer, cfg, path, qtypes)
+        return LoadedModel(model, tokenizer, cfg, path, qtypes, quantization)
     if file:
         prepared.say(f"preparing {os.path.basename(path)} ({quantization}: dequantizing, requantizing, packing "
                      f"for the kernels); cached for later starts in {os.path.dirname(file)}")
@@ -184,4 +189,17 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     if file:
         prepared.save(model, file)
         prepared.say(f"prepared in {time.perf_counter() - t0:.1f} s")
-    return LoadedModel(model, tokenizer, cfg, path, qtypes)
+    return LoadedModel(model, tokenizer, cfg, path, qtypes, quantization)
+
+
+def file_quantization(qtypes: dict[str, str] | None) -> str:
+    """`auto`: the quantization that keeps what the file stores. The layers' weights in
+    Q8_0 blocks run as int8 in Q8_0's own blocks; 4-bit (and other sub-8-bit) blocks as
+    int4 (Q4_0 and Q4_1 codes exactly); float weights, and a Hugging Face folder, as int4,
+    the fastest setting within 1% perplexity of float32 (benchmarks/quality.py)."""
+    if not qtypes:
+        return "int4"
+    layer_types = [t for n, t in qtypes.items() if n.startswith("blk.") and n.endswith(".weight")
+                   and "norm" not in n]
+    q8 = sum(t == "Q8_0" for t in layer_types)
+    return "int8" if layer_types and q8 * 2 > len(layer_types) else "int4"

@@ -198,6 +198,35 @@ def output_projection(weight: torch.Tensor) -> "Int8BlockLinear | Int8Linear":
     return Int8Linear(weight, float_out=True)
 
 
+def _int4_codes(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of groups g against float16 d, m, and each group's squared error."""
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = ((g - mf) / df).round().clamp(0, 15)
+    return q, ((q * df + mf - g) ** 2).sum(dim=-1)
+
+
+def _int4_grid(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d, m, codes) of w = q * d + m for groups g [N, G, 32], d and m in float16 as GGUF's
+    Q4_1 stores them. Two grids per group, the one that reproduces it better kept:
+    - min/max (d = range / 15, m = min): Q4_1's own, so a Q4_1 file's codes come back exactly;
+    - Q4_0's symmetric d * (c - 8): its extreme weight is always -8 d, so |d| = max|w| / 8,
+      negative where the extreme is positive (the kernels take either sign), and m = -8 d,
+      so a Q4_0 file's codes come back too instead of being rounded a second time."""
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d1 = ((hi - lo) / 15.0).clamp(min=1e-7).to(torch.float16)
+    m1 = lo.to(torch.float16)
+    q1, e1 = _int4_codes(g, d1, m1)
+    d0 = (torch.maximum(hi, -lo) / 8.0).clamp(min=1e-7)
+    d0 = torch.where(-lo >= hi, d0, -d0).to(torch.float16)
+    m0 = (-8.0 * d0.float()).to(torch.float16)  # exact: a power of two times d
+    q0, e0 = _int4_codes(g, d0, m0)
+    take0 = e0 < e1
+    d = torch.where(take0, d0, d1)
+    m = torch.where(take0, m0, m1)
+    q = torch.where(take0[..., None], q0, q1).to(torch.uint8)
+    return d, m, q
+
+
 class Int4Linear(_Quantized):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False):
         w = weight.float()
@@ -207,13 +236,8 @@ class Int4Linear(_Quantized):
         if not _tileable(n, k):
             raise ValueError(f"int4 needs in_features in {GROUP}s and out_features in {TILE}s, got {k}, {n}")
         g = w.view(n, k // GROUP, GROUP)
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        # w = q * d + m with d and m in float16, as GGUF's Q4_1 stores them (so a Q4_1
-        # checkpoint's codes come back exactly); codes are rounded against the stored d, m
-        self.d = ((hi - lo) / 15.0).clamp(min=1e-7).to(torch.float16)
-        self.m = lo.to(torch.float16)
-        d, m = self.d.float()[..., None], self.m.float()[..., None]
-        q = ((g - m) / d).round().clamp(0, 15).to(torch.uint8).view(n, k)
+        self.d, self.m, q = _int4_grid(g)
+        q = q.view(n, k)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = n, k
         self._vnni = _vnni_ops()
