@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 
 import torch
@@ -45,7 +46,22 @@ def hugepage_empty(nbytes: int) -> torch.Tensor:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_POPULATE_SLICE = 16 << 20
+_POPULATE_SLICE = 4 << 20  # short holds of the map lock: the thread may be preempted in one
+
+
+def _idle_priority() -> None:
+    """This thread runs only on otherwise idle CPUs (SCHED_IDLE, else nice 19). Faulting in
+    2 GiB costs ~4.5 s of a core in the kernel (zeroing, compaction): at normal priority
+    that halved a fresh server's decode speed for its first seconds of traffic on 2 cores
+    (benchmarks/compare). Pages the engine needs first fault in on use meanwhile."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        except (AttributeError, OSError):
+            pass
 
 
 def _populate_in_background(buf: torch.Tensor) -> bool:
@@ -60,6 +76,7 @@ def _populate_in_background(buf: torch.Tensor) -> bool:
     addr, size = buf.data_ptr(), buf.numel() * buf.element_size()
 
     def populate() -> None:
+        _idle_priority()
         # In slices: the call holds the process's memory-map lock, and one call over 2 GiB
         # held up every mmap meanwhile (a thread's stack: the engine's first message
         # waited seconds). A kernel without it answers EINVAL: pages then fault in on use.
