@@ -62,6 +62,9 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
     # would fail the requests being drained and have the parent restart the engine.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from tokenmill import logs
+
+    logs.configure_from_env()
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.model.loader import load_model
 

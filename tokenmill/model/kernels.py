@@ -40,6 +40,8 @@ from functools import lru_cache
 from types import ModuleType
 from typing import Any
 
+from tokenmill import logs
+
 log = logging.getLogger("tokenmill.model")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "quant_gemv.cpp", "decode_step.cpp")
@@ -55,9 +57,7 @@ _STALE_HELD_S = 10.0  # a lock still held this long after its recorded owner die
 Say = Callable[[str], None]
 
 
-def _say(message: str) -> None:
-    sys.stderr.write(f"tokenmill: {message}\n")
-    sys.stderr.flush()
+_say = logs.say
 
 
 class BuildError(RuntimeError):

@@ -21,11 +21,12 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import tempfile
 from typing import Any
 
 import torch
+
+from tokenmill import logs
 
 FORMAT = 1
 _SOURCES = ("llama.py", "quant.py", "loader.py", "memory.py", "attention.py", "config.py", "gguf_loader.py",
@@ -137,6 +138,4 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def say(msg: str) -> None:
-    """One line on stderr: a long preparation says what it does."""
-    print(f"tokenmill: {msg}", file=sys.stderr, flush=True)
+say = logs.say  # a long preparation says what it does
