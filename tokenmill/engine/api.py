@@ -258,6 +258,7 @@ class RequestTimes:
     first_token: float | None = None
     tokens: list[float] = field(default_factory=list)
     finished: float | None = None
+    preempted: list[float] = field(default_factory=list)  # when it lost its KV blocks (recomputed later)
 
 
 @dataclass
@@ -317,6 +318,7 @@ class EngineStats:
     num_waiting: int = 0
     num_waiting_interactive: int = 0
     num_waiting_batch: int = 0
+    oldest_waiting_s: float = 0.0  # how long the longest-waiting interactive request has waited
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     prefix_queries: int = 0
@@ -365,8 +367,24 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def tune(self, **knobs: int) -> None:
+        """Change scheduling knobs while serving (TUNABLE: max_num_seqs,
+        max_num_batched_tokens, decode_steps), from the next step on; kept across an
+        engine restart. Raises ValueError for an unknown knob or a value below 1."""
+        ...
+
 
 ENGINE_MODES = ("process", "thread")
+TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "decode_steps")
+
+
+def check_knobs(knobs: dict[str, int]) -> dict[str, int]:
+    for name, value in knobs.items():
+        if name not in TUNABLE:
+            raise ValueError(f"{name} cannot be tuned while serving; tunable: {', '.join(TUNABLE)}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return dict(knobs)
 
 
 def make_engine(config: EngineConfig, mode: str = "process") -> EngineClient:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import EngineConfig, RequestBounds
 from tokenmill.engine.api import (EngineDeadError, EngineStats, Priority, RequestLimits, RequestOutput,
-                                  SamplingParams)
+                                  SamplingParams, check_knobs)
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.metadata import load_metadata
 
@@ -56,6 +56,11 @@ class AbortCommand:
     request_id: str
 
 
+@dataclass
+class TuneCommand:
+    knobs: dict[str, int]  # checked by api.check_knobs
+
+
 class EngineFront:
     """The asyncio side: per-request queues, check/generate/abort, death and restart;
     subclasses run the loop."""
@@ -75,6 +80,7 @@ class EngineFront:
         self._stats: EngineStats = EngineStats()
         self._stopping = False
         self._restarting = False
+        self._tuned: dict[str, int] = {}  # knobs changed while serving: a restarted loop gets them too
 
     # -- to implement -------------------------------------------------------------------
     def _submit(self, cmd: AddCommand | AbortCommand) -> None:
@@ -151,6 +157,12 @@ class EngineFront:
         for rid in list(self._queues):
             self.abort(rid)
 
+    def tune(self, **knobs: int) -> None:
+        knobs = check_knobs(knobs)
+        self._tuned.update(knobs)
+        if self.running:
+            self._submit(TuneCommand(knobs))
+
     # -- loop side (called on the event loop) -------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -192,6 +204,8 @@ class EngineFront:
         self._restarting = False
         self.restarts += 1
         self.error = None
+        if self._tuned:
+            self._submit(TuneCommand(dict(self._tuned)))
         log.warning("engine restarted (%d restarts so far)", self.restarts)
 
     def _give_up(self, why: str) -> None:
@@ -201,7 +215,7 @@ class EngineFront:
             self.on_give_up()
 
 
-def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand]
+def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand | TuneCommand]
                  ) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
     """Apply queued commands to the engine (an LLMEngine): (outputs of aborts, refused adds)."""
     outputs: list[RequestOutput] = []
@@ -209,6 +223,9 @@ def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand]
     for cmd in cmds:
         if isinstance(cmd, AbortCommand):
             outputs.extend(engine.abort(cmd.request_id))
+            continue
+        if isinstance(cmd, TuneCommand):
+            engine.tune(cmd.knobs)
             continue
         try:
             engine.add_checked(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)

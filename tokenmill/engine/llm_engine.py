@@ -19,7 +19,7 @@ import torch
 
 from tokenmill.config import EngineConfig, default_num_threads
 from tokenmill.engine.api import (EngineStats, InvalidParameter, Priority, RequestLimits, RequestOutput,
-                                  SamplingParams)
+                                  SamplingParams, check_knobs)
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
@@ -124,6 +124,11 @@ class LLMEngine:
                     outs.append(out)
         return outs
 
+    def tune(self, knobs: dict[str, int]) -> None:
+        """Scheduling knobs (api.TUNABLE) changed while serving; the scheduler reads its
+        config every step, and nothing else was sized by them."""
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, **check_knobs(knobs))
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -163,10 +168,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         st = self.kv.stats
         spec = self.scheduler.spec.stats if self.scheduler.spec is not None else None
+        oldest = self.scheduler.waiting.oldest_arrival(Priority.INTERACTIVE)
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_waiting_interactive=self.scheduler.waiting.count(Priority.INTERACTIVE),
             num_waiting_batch=self.scheduler.waiting.count(Priority.BATCH),
+            oldest_waiting_s=0.0 if oldest is None else time.monotonic() - oldest,
             kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
             prefix_queries=st.queries, prefix_hits=st.hits,
             num_preemptions=self.scheduler.num_preemptions,

@@ -106,6 +106,12 @@ class WaitingQueue:
     def count(self, priority: int) -> int:
         return sum(len(q) for (p, _), q in self._queues.items() if p == priority)
 
+    def oldest_arrival(self, priority: int) -> float | None:
+        """The earliest arrival (monotonic) among waiting requests of a class: each lane is
+        in arrival order, so its head is its oldest."""
+        heads = [q[0].times.arrival for (p, _), q in self._queues.items() if p == priority and q]
+        return min(heads) if heads else None
+
     def __iter__(self):
         return self.iter_fair({})
 
@@ -377,6 +383,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.times.preempted.append(time.monotonic())
         self.num_preemptions += 1
         self.waiting.add(req)
 
