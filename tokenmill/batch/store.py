@@ -353,8 +353,13 @@ class BatchStore:
                 yield r["line"], r["custom_id"], r["result"]
             last = rows[-1]["line"]
 
-    def status_counts(self) -> dict[str, int]:
-        return {r["status"]: r["n"] for r in self._query("SELECT status, COUNT(*) AS n FROM batches GROUP BY status")}
+    def status_counts(self, tenant: str | None = None) -> dict[str, int]:
+        """Batches by status: every tenant's, or one tenant's."""
+        if tenant is None:
+            rows = self._query("SELECT status, COUNT(*) AS n FROM batches GROUP BY status")
+        else:
+            rows = self._query("SELECT status, COUNT(*) AS n FROM batches WHERE tenant = ? GROUP BY status", (tenant,))
+        return {r["status"]: r["n"] for r in rows}
 
     # -- listing --------------------------------------------------------------------------
     def _page(self, table: str, tenant: str, after: str | None, limit: int, order: str,

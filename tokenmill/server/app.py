@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.batch.runner import BatchLimits
 from tokenmill.engine.api import EngineClient, RequestBounds
+from tokenmill.server.autotune import Autotuner, AutotuneConfig
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
@@ -31,6 +32,9 @@ from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from tokenmill.server.serving import RequestContext, new_id
 from tokenmill.server.serving_chat import ServingChat
 from tokenmill.server.serving_completion import ServingCompletion
+from tokenmill.server.stats import StatsWindow, TenantTotals, engine_block, registry_totals
+from tokenmill.server.telemetry import Telemetry
+from tokenmill.server.ui import add_console_routes
 
 log = logging.getLogger("tokenmill.server")
 ANONYMOUS = "anonymous"
@@ -132,6 +136,11 @@ class Frontdoor:
             if message["type"] == "http.response.start":
                 headers = [(k, v) for k, v in message.get("headers", []) if not k.startswith(b"x-ratelimit-")]
                 headers.append((b"x-request-id", rid.encode("latin-1")))
+                ctx = state.get("ctx")
+                if ctx is not None:
+                    ctx.status_code = message["status"]
+                    if ctx.trace is not None and ctx.trace.traceparent:
+                        headers.append((b"traceparent", ctx.trace.traceparent.encode("latin-1")))
                 for k, v in self.gate.headers_for(tenant).items():
                     headers.append((k.encode("latin-1"), v.encode("latin-1")))
                 message["headers"] = headers
@@ -218,7 +227,11 @@ def bounded_route(bounds: RequestBounds) -> type[APIRoute]:
 
 
 def build_app(engine: EngineClient, config: ServerConfig | None = None,
-              policy: ServicePolicy | None = None) -> FastAPI:
+              policy: ServicePolicy | None = None, tracer_provider: object | None = None,
+              autotune: AutotuneConfig | None = None) -> FastAPI:
+    """`tracer_provider`: an OpenTelemetry TracerProvider for request spans (None: no
+    tracing; see telemetry.otlp_tracer_provider). `autotune`: objectives the server tunes
+    its scheduling knobs to meet while it runs (None: the knobs stay as configured)."""
     config = config or ServerConfig()
     policy = policy or ServicePolicy()
     model_name = config.served_model_name or engine.model_config.name
@@ -233,6 +246,11 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
 
         pricer = Pricer(policy.card, model_name, metrics, gate.ledger)
     idempotency = IdempotencyStore()
+    telemetry = Telemetry(StatsWindow(), model_name, tracer_provider)
+    tuner = None
+    if autotune is not None:
+        tuner = Autotuner(autotune.slo, engine, gate, telemetry.stats, metrics, autotune.ceiling,
+                          interval_s=autotune.interval_s, hold_s=autotune.hold_s)
     chat = ServingChat(engine, engine.tokenizer, model_name, metrics)
     completion = ServingCompletion(engine, engine.tokenizer, model_name, metrics)
 
@@ -241,7 +259,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         from tokenmill.batch.runner import BatchRunner
         from tokenmill.server.batch_api import ServerLineExecutor, add_batch_routes
 
-        executor = ServerLineExecutor(chat, completion, gate, pricer, policy.keys, Tenant(ANONYMOUS, policy.defaults))
+        executor = ServerLineExecutor(chat, completion, gate, pricer, policy.keys, Tenant(ANONYMOUS, policy.defaults),
+                                      telemetry)
         runner = BatchRunner(policy.batch_store, executor, policy.batch)
 
     def engine_gave_up() -> None:
@@ -255,15 +274,20 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         lag = asyncio.ensure_future(watch_loop_lag(metrics))
         if runner is not None:
             await runner.start()
+        if tuner is not None:
+            tuner.start()
         log.info("serving %s", model_name)
         try:
             yield
         finally:
             lag.cancel()
+            if tuner is not None:
+                await tuner.stop()
             if runner is not None:
                 await runner.stop()
                 runner.store.close()
             await engine.stop()
+            telemetry.shutdown()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.router.route_class = bounded_route(engine.bounds)
@@ -273,34 +297,38 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     app.state.model_name = model_name
     app.state.config = config
     app.state.idempotency = idempotency
+    app.state.telemetry = telemetry
+    app.state.tuner = tuner
     install_error_handlers(app)
 
-    def context(raw: Request, prefix: str, requested_class: str | None) -> RequestContext:
+    def context(raw: Request, prefix: str, body, operation: str) -> RequestContext:
         ctx = RequestContext(request_id=new_id(prefix))
         raw.scope["state"]["ctx"] = ctx  # Frontdoor settles it when the exchange ends
         tenant: Tenant = raw.scope["state"]["tenant"]
-        gate.admit(ctx, tenant, requested_class, _timeout_header(raw))
+        ctx.tenant = tenant.name
+        telemetry.begin(ctx, operation, raw.headers, body.trace_params(), raw.scope["state"]["client_request_id"])
+        gate.admit(ctx, tenant, body.priority, _timeout_header(raw))
         ctx.gate = gate
         if pricer is not None:
             pricer.attach(ctx)
         return ctx
 
-    async def serve(raw: Request, body, serving, prefix: str) -> Response:
+    async def serve(raw: Request, body, serving, prefix: str, operation: str) -> Response:
         key = raw.headers.get("idempotency-key")
         if key is None or body.stream:
-            return await serving.create(body, raw, context(raw, prefix, body.priority))
+            return await serving.create(body, raw, context(raw, prefix, body, operation))
         fingerprint = hashlib.sha256(raw.url.path.encode() + b"\0" + await raw.body()).hexdigest()
         scope = raw.scope["state"]["tenant"].name
         return await idempotency.run(scope, key, fingerprint,
-                                     lambda: serving.create(body, raw, context(raw, prefix, body.priority)))
+                                     lambda: serving.create(body, raw, context(raw, prefix, body, operation)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await serve(raw, body, chat, "chatcmpl")
+        return await serve(raw, body, chat, "chatcmpl", "chat")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await serve(raw, body, completion, "cmpl")
+        return await serve(raw, body, completion, "cmpl", "text_completion")
 
     if runner is not None:
         add_batch_routes(app, runner.store, runner, policy.batch)
@@ -322,6 +350,42 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     async def ready() -> Response:
         ok = engine.running and not state.draining
         return JSONResponse({"ready": ok, "model": model_name}, status_code=200 if ok else 503)
+
+    @app.get("/v1/stats")
+    async def stats(raw: Request, window: float = 60.0) -> dict:
+        if not 1.0 <= window <= telemetry.stats.horizon_s:
+            raise APIError(400, f"window must be 1 to {telemetry.stats.horizon_s:.0f} seconds", param="window")
+        return stats_view(raw.scope["state"]["tenant"], window)
+
+    def stats_view(tenant: Tenant, window: float) -> dict:
+        """An admin (or everyone, on an open server) sees the server and every tenant; a
+        tenant sees its own traffic, usage and headroom."""
+        admin = policy.keys is None or tenant.admin
+        series, summary = telemetry.stats.series(None if admin else tenant.name, window)
+        out: dict = {"object": "stats", "scope": "server" if admin else "tenant", "tenant": tenant.name,
+                     "model": model_name, "time": time.time(), "uptime_s": time.time() - state.started,
+                     "window": summary, "series": series}
+        names = [tenant.name]
+        if admin:
+            out["engine"] = engine_block(engine.stats())
+            out["totals"] = registry_totals(metrics)
+            names = sorted({*telemetry.stats.totals, *(t.name for t in (policy.keys.tenants() if policy.keys
+                                                                          else []))} or {ANONYMOUS})
+        known = {t.name: t for t in policy.keys.tenants()} if policy.keys is not None else {}
+        rows = []
+        for name in names:
+            tot = telemetry.stats.totals.get(name)
+            who = known.get(name) or (tenant if name == tenant.name else Tenant(name, policy.defaults))
+            rows.append({"tenant": name, **(vars(tot) if tot is not None else vars(TenantTotals())),
+                         "headroom": gate.headroom(who)})
+        out["tenants"] = rows
+        if runner is not None:
+            out["batches"] = runner.store.status_counts(None if admin else tenant.name)
+        if tuner is not None and admin:
+            out["autotune"] = tuner.status()
+        return out
+
+    add_console_routes(app, keys_required=policy.keys is not None)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -34,13 +34,14 @@ MAX_METADATA = 16
 class ServerLineExecutor:
     """Runs and validates batch lines the way the live routes run requests."""
 
-    def __init__(self, chat, completion, gate, pricer, keys: KeyStore | None, open_tenant: Tenant):
+    def __init__(self, chat, completion, gate, pricer, keys: KeyStore | None, open_tenant: Tenant, telemetry=None):
         self.routes = {"/v1/chat/completions": (chat, ChatCompletionRequest, "chatcmpl"),
                        "/v1/completions": (completion, CompletionRequest, "cmpl")}
         self.gate = gate
         self.pricer = pricer
         self.keys = keys
         self.open_tenant = open_tenant
+        self.telemetry = telemetry  # tokenmill.server.telemetry.Telemetry: lines are traced and counted too
 
     def tenant(self, name: str) -> Tenant | None:
         if self.keys is None:
@@ -71,17 +72,22 @@ class ServerLineExecutor:
             err = APIError(401, "the tenant that submitted this batch no longer exists", code="invalid_api_key")
             return LineOutcome(err.status, err.body(), request_id)
         serving, _, prefix = self.routes[url]
-        ctx = RequestContext(request_id=new_id(prefix))
+        ctx = RequestContext(request_id=new_id(prefix), tenant=who.name)
         try:
+            _, parsed, _ = self._parse(url, body)
+            if self.telemetry is not None:
+                operation = "chat" if url == "/v1/chat/completions" else "text_completion"
+                self.telemetry.begin(ctx, operation, {}, parsed.trace_params(), request_id)
             self.gate.admit_batch_line(ctx, who)
             if self.pricer is not None:
                 self.pricer.attach(ctx)
-            _, parsed, _ = self._parse(url, body)
             answer = await serving.complete(parsed, ctx)
         except Exception as exc:
             err = as_api_error(exc)
             if err is None:
+                ctx.status_code = 500
                 raise
+            ctx.status_code = err.status
             # the engine was not there (dying or restarting): not the line's fault, run it again
             retry = isinstance(exc, EngineDeadError) or err.code == "engine_unavailable"
             return LineOutcome(err.status, err.body(), request_id, retry=retry)

@@ -113,6 +113,21 @@ class Gate:
             return {}
         return self.state(Tenant(tenant.name, merge_limits(tenant.limits, self.defaults))).headers()
 
+    def headroom(self, tenant: Tenant) -> dict:
+        """What the tenant may still use: rate buckets, concurrency, spend (the console)."""
+        st = self.state(Tenant(tenant.name, merge_limits(tenant.limits, self.defaults)))
+        lim = st.tenant.limits
+        out: dict = {"inflight": st.inflight, "max_concurrency": lim.max_concurrency}
+        for name, bucket in (("requests_per_minute", st.requests), ("tokens_per_minute", st.tokens),
+                             ("work_budget_tokens", st.work)):
+            out[name] = None if bucket is None else {"limit": bucket.limit, "remaining": bucket.remaining,
+                                                     "reset_s": round(bucket.reset_s, 3)}
+        remaining = self.ledger.remaining(tenant.name)
+        out["spend"] = {"spent_usd": float(self.ledger.spent(tenant.name)),
+                        "budget_usd": lim.spend_budget_usd, "period_s": lim.spend_period_s,
+                        "remaining_usd": None if remaining is None else float(remaining)}
+        return out
+
     # -- phase 1 --------------------------------------------------------------------------
     def admit(self, ctx, tenant: Tenant, requested_class: str | None, timeout_s: float | None) -> None:
         tenant = Tenant(tenant.name, merge_limits(tenant.limits, self.defaults))

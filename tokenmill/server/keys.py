@@ -47,6 +47,7 @@ class TenantLimits:
 class Tenant:
     name: str
     limits: TenantLimits
+    admin: bool = False  # sees every tenant in /v1/stats (the console's dashboard)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class KeyInfo:
 
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS tenants (name TEXT PRIMARY KEY, limits TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS tenants (name TEXT PRIMARY KEY, limits TEXT NOT NULL, created REAL NOT NULL,
+    admin INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS keys (
     id INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL REFERENCES tenants(name),
     key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL, created REAL NOT NULL, revoked REAL);
@@ -90,12 +92,16 @@ class KeyStore:
         self.path = str(path)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}
+        if "admin" not in columns:  # a file written before admin keys existed
+            self._db.execute("ALTER TABLE tenants ADD COLUMN admin INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         self._db.close()
 
-    def add_key(self, tenant: str, limits: TenantLimits | None = None) -> str:
-        """Create (or update the limits of) a tenant and issue it a new key; returns the key."""
+    def add_key(self, tenant: str, limits: TenantLimits | None = None, admin: bool | None = None) -> str:
+        """Create (or update the limits of) a tenant and issue it a new key; returns the key.
+        `admin` (when given) sets whether the tenant sees every tenant's stats."""
         if not tenant or len(tenant) > 100:
             raise ValueError("tenant names are 1-100 characters")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
@@ -106,27 +112,29 @@ class KeyStore:
                     "INSERT INTO tenants(name, limits, created) VALUES (?, ?, ?) "
                     "ON CONFLICT(name) DO UPDATE SET limits = excluded.limits",
                     (tenant, _limits_to_text(limits or TenantLimits()), now))
+            if admin is not None:
+                self._db.execute("UPDATE tenants SET admin = ? WHERE name = ?", (int(admin), tenant))
             self._db.execute("INSERT INTO keys(tenant, key_hash, prefix, created) VALUES (?, ?, ?, ?)",
                              (tenant, hash_key(key), key[:10], now))
         return key
 
     def tenant(self, name: str) -> Tenant | None:
-        row = self._db.execute("SELECT name, limits FROM tenants WHERE name = ?", (name,)).fetchone()
-        return Tenant(row[0], _limits_from_text(row[1])) if row else None
+        row = self._db.execute("SELECT name, limits, admin FROM tenants WHERE name = ?", (name,)).fetchone()
+        return Tenant(row[0], _limits_from_text(row[1]), bool(row[2])) if row else None
 
     def authenticate(self, key: str) -> Tenant | None:
         row = self._db.execute(
-            "SELECT t.name, t.limits FROM keys k JOIN tenants t ON t.name = k.tenant "
+            "SELECT t.name, t.limits, t.admin FROM keys k JOIN tenants t ON t.name = k.tenant "
             "WHERE k.key_hash = ? AND k.revoked IS NULL", (hash_key(key),)).fetchone()
-        return Tenant(row[0], _limits_from_text(row[1])) if row else None
+        return Tenant(row[0], _limits_from_text(row[1]), bool(row[2])) if row else None
 
     def list_keys(self) -> list[KeyInfo]:
         rows = self._db.execute("SELECT id, tenant, prefix, created, revoked FROM keys ORDER BY id").fetchall()
         return [KeyInfo(*r) for r in rows]
 
     def tenants(self) -> list[Tenant]:
-        rows = self._db.execute("SELECT name, limits FROM tenants ORDER BY name").fetchall()
-        return [Tenant(n, _limits_from_text(t)) for n, t in rows]
+        rows = self._db.execute("SELECT name, limits, admin FROM tenants ORDER BY name").fetchall()
+        return [Tenant(n, _limits_from_text(t), bool(a)) for n, t, a in rows]
 
     def revoke(self, *, key: str | None = None, key_id: int | None = None, tenant: str | None = None) -> int:
         """Revoke one key (by value or id) or every key of a tenant; returns how many."""

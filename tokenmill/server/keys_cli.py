@@ -31,6 +31,9 @@ def add(
     default_class: str = typer.Option("interactive", "--class", help="Default request class: interactive|batch."),
     allow_batch: bool = typer.Option(True, "--allow-batch/--no-batch"),
     allow_interactive: bool = typer.Option(True, "--allow-interactive/--batch-only"),
+    admin: Optional[bool] = typer.Option(None, "--admin/--no-admin",
+                                         help="The tenant sees every tenant's usage and the server's state in "
+                                              "the console (/v1/stats); default: unchanged (new: no)."),
     db: str = typer.Option(DEFAULT_DB, "--db", help=DB_HELP),
 ) -> None:
     """Create a key for TENANT and print it (shown only this once)."""
@@ -48,7 +51,7 @@ def add(
         store = KeyStore(db)
         existing = store.tenant(tenant)
         key = store.add_key(tenant, limits if (given or existing is None or default_class != "interactive"
-                                               or allowed != ("interactive", "batch")) else None)
+                                               or allowed != ("interactive", "batch")) else None, admin=admin)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -63,7 +66,7 @@ def list_keys(db: str = typer.Option(DEFAULT_DB, "--db", help=DB_HELP)) -> None:
     store = KeyStore(db)
     for t in store.tenants():
         lim = {k: v for k, v in t.limits.__dict__.items() if v is not None}
-        typer.echo(f"tenant {t.name}: {lim}")
+        typer.echo(f"tenant {t.name}{' (admin)' if t.admin else ''}: {lim}")
     for k in store.list_keys():
         state = "revoked " + dt.datetime.fromtimestamp(k.revoked).isoformat(timespec="seconds") if k.revoked else "active"
         created = dt.datetime.fromtimestamp(k.created).isoformat(timespec="seconds")

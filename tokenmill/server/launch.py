@@ -51,9 +51,12 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(app: FastAPI, host: str, port: int, shutdown_timeout_s: float, log_level: str = "info") -> None:
+def run_server(app: FastAPI, host: str, port: int, shutdown_timeout_s: float, log_level: str = "info",
+               own_logging: bool = False) -> None:
+    """`own_logging`: keep the root logger's handlers (JSON lines) for uvicorn's loggers too."""
+    extra = {"log_config": None} if own_logging else {}
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on", **extra)
     server = GracefulServer(config, app, shutdown_timeout_s)
     server.run()
     if server.exit_code:

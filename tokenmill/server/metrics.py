@@ -113,6 +113,10 @@ class Metrics:
                             registry=r)
         self.cap_hits = Counter("tokenmill_work_cap_hits", "Requests cut or refused by a work cap.",
                                 ["cap"], registry=r)
+        self.autotune_knob = Gauge("tokenmill_autotune_knob", "A knob's value as the SLO autotuner set it.",
+                                   ["knob"], registry=r)
+        self.autotune_changes = Counter("tokenmill_autotune_changes", "Knob changes the SLO autotuner made.",
+                                        ["knob", "direction"], registry=r)
         r.register(_EngineCollector(stats))
 
     def observe_finished(self, out: RequestOutput) -> None:

@@ -61,6 +61,9 @@ class RequestContext:
     usage: dict[str, Any] | None = None  # the latest usage (partial while streaming)
     usage_hooks: list[Callable[[RequestContext, dict[str, Any]], None]] = field(default_factory=list)
     finalizers: list[Callable[[dict[str, Any] | None], None]] = field(default_factory=list)
+    trace: Any = None  # tokenmill.server.telemetry.RequestTrace, when observed
+    cost_usd: float | None = None  # what it was priced at (set by the pricer when it settles)
+    status_code: int = 200  # the HTTP status it ended with
     _finished: bool = False
 
     def finish(self) -> None:
@@ -69,6 +72,8 @@ class RequestContext:
         self._finished = True
         for f in self.finalizers:
             f(self.usage)
+        if self.trace is not None:
+            self.trace.end(self.status_code, self.usage)
 
 
 def new_id(prefix: str) -> str:
@@ -143,9 +148,11 @@ class BaseServing:
         return body
 
     # -- output side --------------------------------------------------------------------
-    def record(self, out: RequestOutput) -> None:
+    def record(self, ctx: RequestContext, out: RequestOutput) -> None:
         if out.finished:
             self.metrics.observe_finished(out)
+        if ctx.trace is not None:
+            ctx.trace.observe(out)
 
     @staticmethod
     def usage(prompt_tokens: int, cached: int, completion_tokens: int,

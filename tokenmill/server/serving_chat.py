@@ -85,7 +85,7 @@ class ServingChat(BaseServing):
         cached = 0
         spec = SpecTally()
         async for out in stream:
-            self.record(out)
+            self.record(ctx, out)
             spec.add(out)
             choices[out.index].add(out)
             if body.logprobs and out.logprobs:
@@ -127,7 +127,7 @@ class ServingChat(BaseServing):
             parsers = [tool_calls.StreamParser(body.tools_by_name()) for _ in range(body.n)]
         spec = SpecTally()
         async for out in stream:
-            self.record(out)
+            self.record(ctx, out)
             spec.add(out)
             outputs[out.index] = out.num_output_tokens
             if out.index == 0:

@@ -91,7 +91,7 @@ class ServingCompletion(BaseServing):
         num_prompt = sum(len(ids) for _, ids in prompts)
         spec = SpecTally()
         async for p, out in merge_streams(streams):
-            self.record(out)
+            self.record(ctx, out)
             spec.add(out, p)
             c = choices[p * n + out.index]
             if not c.text and not c.token_ids and body.echo:
@@ -133,7 +133,7 @@ class ServingCompletion(BaseServing):
         cached = completion = 0  # running totals: no loop over the choices per output
         spec = SpecTally()
         async for p, out in merge_streams(streams):
-            self.record(out)
+            self.record(ctx, out)
             spec.add(out, p)
             index = p * n + out.index
             text = out.text
