@@ -22,57 +22,66 @@ CEIL = Knobs(max_num_seqs=64, max_num_batched_tokens=512, decode_steps=8, max_wa
 never_held = lambda knob: False  # noqa: E731
 
 
-def obs(ttft, itl, waiting=0, requests=10) -> Observation:
-    return Observation(requests, ttft, itl, waiting, 4)
+def obs(ttft, itl, waiting=0, requests=10, running=16, oldest=0.0, rate=5.0) -> Observation:
+    return Observation(requests, ttft, itl, waiting, running, oldest, rate)
 
 
-def test_itl_over_cuts_prefill_budget_then_sequences():
-    c = decide(CEIL, obs(0.1, 0.08), SLO_, CEIL, never_held)
+def one(changes, knob=None):
+    """The single change made (of `knob`, when given)."""
+    picked = [c for c in changes if knob is None or c.knob == knob]
+    assert len(picked) == 1, changes
+    return picked[0]
+
+
+def test_itl_over_cuts_running_sequences_by_how_far_over():
+    c = one(decide(CEIL, obs(0.1, 0.08, running=16), SLO_, CEIL, never_held))
+    assert (c.knob, c.new) == ("max_num_seqs", 9)  # from what runs: 16 x 0.9 x 50/80
+    c = one(decide(CEIL, obs(0.1, 0.055, running=16), SLO_, CEIL, never_held))
+    assert (c.knob, c.new) == ("max_num_seqs", 13)  # a little over: a small cut (at most 0.85)
+    draining = dataclasses.replace(CEIL, max_num_seqs=8)
+    assert decide(draining, obs(0.1, 0.08, running=16), SLO_, CEIL, never_held) == []  # 16 > 8 still drain
+    at_floor = dataclasses.replace(CEIL, max_num_seqs=FLOORS.max_num_seqs)
+    c = one(decide(at_floor, obs(0.1, 0.08, running=2), SLO_, CEIL, never_held))
     assert (c.knob, c.new) == ("max_num_batched_tokens", 256)
-    at_floor = dataclasses.replace(CEIL, max_num_batched_tokens=FLOORS.max_num_batched_tokens)
-    c = decide(at_floor, obs(0.1, 0.08), SLO_, CEIL, never_held)
-    assert (c.knob, c.new) == ("max_num_seqs", 48)
-    bottom = dataclasses.replace(at_floor, max_num_seqs=FLOORS.max_num_seqs)
-    assert decide(bottom, obs(0.1, 0.08), SLO_, CEIL, never_held) is None  # nothing lower to go
+    bottom = dataclasses.replace(at_floor, max_num_batched_tokens=FLOORS.max_num_batched_tokens)
+    assert decide(bottom, obs(0.1, 0.08, running=2), SLO_, CEIL, never_held) == []  # nothing lower to go
 
 
-def test_ttft_over_admits_more_then_shortens_bursts():
+def test_ttft_over_with_itl_room_admits_more_without_it_sheds_by_littles_law():
     k = dataclasses.replace(CEIL, max_num_seqs=16)
-    c = decide(k, obs(0.9, 0.01, waiting=5), SLO_, CEIL, never_held)
+    c = one(decide(k, obs(0.9, 0.01, waiting=5), SLO_, CEIL, never_held))
     assert (c.knob, c.new) == ("max_num_seqs", 24)
-    c = decide(CEIL, obs(0.9, 0.01, waiting=5), SLO_, CEIL, never_held)  # seqs at the ceiling
-    assert (c.knob, c.new) == ("decode_steps", 4)
-    c = decide(k, obs(0.9, 0.01, waiting=0), SLO_, CEIL, never_held)  # no queue: admission is not it
-    assert c.knob == "decode_steps"
+    changes = decide(k, obs(0.9, 0.045, waiting=40, rate=6.0), SLO_, CEIL, never_held)  # no ITL room
+    assert one(changes, "decode_steps").new == 4
+    assert one(changes, "max_waiting").new == 64  # 6 req/s x 0.5 s = 3 would fit; at most a quarter per change
+    k2 = dataclasses.replace(k, max_waiting=16, decode_steps=1)
+    c = one(decide(k2, obs(0.9, 0.045, waiting=40, rate=6.0), SLO_, CEIL, never_held))
+    assert (c.knob, c.new) == ("max_waiting", 4)  # Little's law: 3, raised to the floor
+    c = one(decide(k, obs(None, 0.045, waiting=3, requests=0, oldest=0.7), SLO_, CEIL, never_held), "max_waiting")
+    assert c.new < k.max_waiting  # a queued request already past the objective counts before it finishes
 
 
-def test_both_over_sheds_load_and_dead_band_holds_still():
-    c = decide(CEIL, obs(0.9, 0.08, waiting=40), SLO_, CEIL, never_held)
-    assert (c.knob, c.new) == ("max_waiting", 128)
-    assert decide(CEIL, obs(0.4, 0.04), SLO_, CEIL, never_held) is None  # between 60% and 100%
+def test_dead_band_holds_still_and_headroom_gives_back_unless_held():
+    assert decide(CEIL, obs(0.4, 0.04), SLO_, CEIL, never_held) == []  # between 60% and 100%
     low = Knobs(8, 128, 2, 32)
-    assert decide(low, obs(0.4, 0.04), SLO_, CEIL, never_held) is None
-    c = decide(low, obs(0.2, 0.04), SLO_, CEIL, never_held)  # ITL in the band, but nobody waits
+    assert decide(low, obs(0.4, 0.04, waiting=2), SLO_, CEIL, never_held) == []
+    assert [(c.knob, c.new) for c in decide(low, obs(0.1, 0.01), SLO_, CEIL, never_held)] == \
+        [("max_num_seqs", 12), ("max_waiting", 64)]
+    held = decide(low, obs(0.1, 0.01), SLO_, CEIL, lambda knob: knob in ("max_num_seqs", "max_waiting"))
+    assert [(c.knob, c.new) for c in held] == [("max_num_batched_tokens", 256)]
+    assert decide(CEIL, obs(0.1, 0.01), SLO_, CEIL, never_held) == []  # never past the operator's settings
+    c = one(decide(low, obs(0.2, 0.04), SLO_, CEIL, never_held))  # ITL in the band, but nobody waits
     assert (c.knob, c.new) == ("max_waiting", 64)
-    assert decide(low, obs(0.2, 0.04, waiting=3), SLO_, CEIL, never_held) is None
 
 
-def test_headroom_gives_back_toward_the_ceiling_unless_held():
-    low = Knobs(8, 128, 2, 32)
-    c = decide(low, obs(0.1, 0.01), SLO_, CEIL, never_held)
-    assert (c.knob, c.new) == ("max_num_batched_tokens", 256)
-    c = decide(low, obs(0.1, 0.01), SLO_, CEIL, lambda knob: knob == "max_num_batched_tokens")
-    assert (c.knob, c.new) == ("decode_steps", 4)
-    assert decide(CEIL, obs(0.1, 0.01), SLO_, CEIL, never_held) is None  # never past the operator's settings
+def test_fresh_percentiles_need_enough_requests_else_the_live_itl():
+    from tokenmill.server.autotune import observe
 
-
-def test_needs_fresh_samples_unless_the_queue_starves():
-    assert decide(CEIL, obs(2.0, 0.2, requests=3), SLO_, CEIL, never_held) is None
-    starving = Observation(0, None, None, 12, 64, oldest_wait_s=0.7)  # a queued request is past its TTFT
-    c = decide(dataclasses.replace(CEIL, max_num_seqs=32), starving, SLO_, CEIL, never_held)
-    assert (c.knob, c.new) == ("max_num_seqs", 48)
-    queued = Observation(0, None, None, 12, 64, oldest_wait_s=0.3)  # waiting, but not late yet
-    assert decide(dataclasses.replace(CEIL, max_num_seqs=32), queued, SLO_, CEIL, never_held) is None
+    served = [Served(10.0, "t", 0.2, 0.03), Served(10.0, "t", 0.3, 0.03)]
+    o = observe(served, SLO_, waiting=0, running=4, live_itl=0.07)
+    assert o.ttft is None and o.itl == 0.07  # two requests are not a percentile: the engine's counters
+    o = observe(served * 3, SLO_, waiting=0, running=4, live_itl=0.07)
+    assert o.ttft == pytest.approx(0.3) and o.itl == pytest.approx(0.03)
 
 
 class Plant:
@@ -115,9 +124,7 @@ def run_tuner(plant: Plant, seconds: int, tuner: Autotuner, clock, window: Stats
         clock.t += 2.0
         for _ in range(6):  # requests that arrived after the last step and finished before this one
             window.served.append(Served(clock.t - 0.1, "t", ttft, itl, start + 0.1))
-        c = tuner.step()
-        if c is not None:
-            changes.append(c)
+        changes += tuner.step()
     return changes
 
 
@@ -137,7 +144,7 @@ def test_tuner_loop_settles_within_bounds_without_flip_flopping():
     tuner = Autotuner(SLO(ttft_s=0.6, itl_s=0.05), plant, gate, window, metrics, CEIL, hold_s=20.0, clock=clock)
     heavy = run_tuner(plant, 240, tuner, clock, window)
     assert heavy, "an over-loaded plant gets changes"
-    assert heavy[0].knob in ("max_num_batched_tokens", "max_waiting") and heavy[0].new < heavy[0].old
+    assert heavy[0].new < heavy[0].old  # the first move is a cut
     ttft, itl, _ = plant.latencies()
     assert itl <= 0.05 and ttft <= 0.6  # it found a setting that meets both (shedding the excess)
     tail = run_tuner(plant, 120, tuner, clock, window)

@@ -1,28 +1,37 @@
 """The SLO autotuner: `serve --slo-ttft-ms X --slo-itl-ms Y`.
 
-Operators state objectives, not batch sizes. Every `interval_s` the tuner looks at the
-requests that arrived after its last change and have finished (their TTFT and mean inter-token time,
-from the engine's own timestamps) and the engine's queue, and moves at most one knob
-one bounded step:
+Operators state objectives, not batch sizes. Every `interval_s` the tuner reads what
+the server already measures and may change two knobs: one that shapes the engine's
+steps (max running sequences, prefill tokens per step, decode burst length) and the
+admission queue's bound. Its signals:
 
-  ITL over its objective      steps are too heavy: a smaller prefill budget per step
-                              (chunks stall decode), then fewer running sequences;
-                              with TTFT over too, the server is past capacity: the
-                              admission queue is shortened so the excess is refused at
-                              once (503) instead of waiting to miss anyway
-  TTFT over, ITL fine         requests wait to start: more running sequences, then
-                              shorter decode bursts (a burst holds back admission),
-                              then a larger prefill budget
-  both well under (< 60%)     throughput headroom: knobs go back toward the operator's
-                              settings, one step at a time
-  in between                  nothing (the dead band), except that an admission queue
-                              cut earlier grows back while nobody waits and TTFT is
-                              well under
+- ITL: the objective's percentile of each request's mean time per output token (TPOT)
+  over requests that arrived after the last change and have finished; until there are
+  enough of those, the live per-sequence time per token from the engine's counters
+  over the last interval (prefill stalls included, as a client sees them);
+- TTFT: the percentile over the same fresh requests, and the wait of the request that
+  has waited longest in the queue now (a request already past the objective is a
+  miss before it finishes to say so);
+- the finish rate (requests per second over the last window).
+
+Rules:
+
+  ITL over           fewer running sequences, scaled by objective / measured (at most
+                     halved per change), from what is running, not from the bound; never
+                     again while more than the new bound still run (they are draining);
+                     at the floor, a smaller prefill budget per step
+  TTFT over          with ITL room (< 80%) and a queue: more running sequences; without
+                     room the server is at capacity: the queue bound goes to what the
+                     finish rate can start within the objective (Little's law; at most
+                     a quarter per change), so the excess is refused at once (503)
+                     instead of waiting to miss; then shorter decode bursts
+  both well under    (< 60%) headroom: step knobs go back toward the operator's settings
+  nobody waiting     the queue bound grows back (it costs no step), with TTFT well under
 
 Goodput is the rate of requests meeting both objectives. No knob exceeds what the
-operator configured (those are upper bounds); a knob lowered for a violation is not
-raised again for `hold_s`, and every decision needs `min_requests` fresh samples after
-the last change, so the tuner does not oscillate. Every change is logged and counted.
+operator configured (those are upper bounds) or goes below FLOORS; a knob lowered is
+not raised again for `hold_s`, doubled each time a raise had to be taken back, so a
+load on the edge does not make it flap. Every change is logged and counted.
 """
 
 from __future__ import annotations
@@ -74,12 +83,13 @@ FLOORS = Knobs(max_num_seqs=2, max_num_batched_tokens=64, decode_steps=1, max_wa
 
 @dataclass(frozen=True)
 class Observation:
-    requests: int  # finished since the last change (or in the window)
-    ttft: float | None  # the SLO percentile
-    itl: float | None
+    requests: int  # fresh: arrived after the last change, and finished
+    ttft: float | None  # the SLO percentile over the fresh requests
+    itl: float | None  # likewise (TPOT), or the live per-sequence time per token
     waiting: int  # in the engine's queue now
     running: int
     oldest_wait_s: float = 0.0  # the longest-waiting request's wait so far
+    finish_rate: float = 0.0  # requests finished per second, recent window
 
 
 @dataclass(frozen=True)
@@ -90,32 +100,32 @@ class Change:
     reason: str
 
 
-def observe(served: list[Served], slo: SLO, waiting: int, running: int, oldest_wait_s: float = 0.0) -> Observation:
+def observe(served: list[Served], slo: SLO, waiting: int, running: int, oldest_wait_s: float = 0.0,
+            live_itl: float | None = None, finish_rate: float = 0.0, min_requests: int = 4) -> Observation:
     ttft = [r.ttft for r in served]
     itl = [r.tpot for r in served if r.tpot is not None]
     pct = slo.percentile
-    return Observation(len(served), float(np.percentile(ttft, pct)) if ttft else None,
-                       float(np.percentile(itl, pct)) if itl else None, waiting, running, oldest_wait_s)
+    fresh = len(served) >= min_requests
+    return Observation(len(served), float(np.percentile(ttft, pct)) if ttft and fresh else None,
+                       float(np.percentile(itl, pct)) if itl and fresh else live_itl, waiting, running,
+                       oldest_wait_s, finish_rate)
 
 
 def goodput(served: list[Served], slo: SLO, seconds: float) -> float:
     return sum(r.meets(slo.ttft_s, slo.itl_s) for r in served) / seconds if seconds > 0 else 0.0
 
 
-def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[[str], bool],
-           min_requests: int = 4) -> Change | None:
-    """The next change (or None): pure, so it is tested on its own."""
-    # someone in the queue has already waited past the TTFT objective: failing now, before
-    # any of them finishes to say so
-    starving = obs.waiting > 0 and obs.oldest_wait_s > slo.ttft_s
-    if obs.requests < min_requests and not starving:
-        return None
+def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[[str], bool]) -> list[Change]:
+    """The changes to make now (at most one step knob and the queue bound): pure, so it is
+    tested on its own."""
+    late = obs.waiting > 0 and obs.oldest_wait_s > slo.ttft_s
     itl_bad = obs.itl is not None and obs.itl > slo.itl_s
-    ttft_bad = starving or (obs.ttft is not None and obs.ttft > slo.ttft_s)
+    ttft_bad = late or (obs.ttft is not None and obs.ttft > slo.ttft_s)
+    room = obs.itl is None or obs.itl < ITL_ROOM * slo.itl_s
 
-    def lower(knob: str, factor: float, why: str) -> Change | None:
+    def lower(knob: str, new: int, why: str) -> Change | None:
         old = getattr(k, knob)
-        new = max(getattr(FLOORS, knob), int(old * factor))
+        new = max(getattr(FLOORS, knob), int(new))
         return Change(knob, old, new, why) if new < old else None
 
     def raise_(knob: str, factor: float, why: str) -> Change | None:
@@ -127,32 +137,35 @@ def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[
 
     itl_txt = f"ITL p{slo.percentile:.0f} {_ms(obs.itl)} vs {_ms(slo.itl_s)}"
     ttft_txt = f"TTFT p{slo.percentile:.0f} {_ms(obs.ttft)} vs {_ms(slo.ttft_s)}" + (
-        f", {obs.waiting} waiting" if obs.waiting else "")
-    if itl_bad and ttft_bad:
-        return (lower("max_waiting", 0.5, f"over capacity ({itl_txt}; {ttft_txt}): shed load sooner")
-                or lower("max_num_batched_tokens", 0.5, itl_txt)
-                or lower("max_num_seqs", 0.75, itl_txt))
+        f", {obs.waiting} waiting, oldest {_ms(obs.oldest_wait_s)}" if obs.waiting else "")
+
+    step: Change | None = None
     if itl_bad:
-        return lower("max_num_batched_tokens", 0.5, itl_txt) or lower("max_num_seqs", 0.75, itl_txt)
-    if ttft_bad:
-        # more work per step only while ITL has room for it; at capacity the queue's wait is
-        # the TTFT, and refusing the excess at once serves the admitted ones in time
-        room = obs.itl is None or obs.itl < ITL_ROOM * slo.itl_s
-        return ((raise_("max_num_seqs", 1.5, ttft_txt) if obs.waiting > 0 and room else None)
-                or lower("decode_steps", 0.5, ttft_txt)
-                or (raise_("max_num_batched_tokens", 2.0, ttft_txt) if room else None)
-                or (lower("max_waiting", 0.5, f"at capacity ({ttft_txt}): shed load sooner")
-                    if obs.waiting > 0 else None))
-    relaxed = (obs.ttft is None or obs.ttft < RELAX * slo.ttft_s) and (obs.itl is None or obs.itl < RELAX * slo.itl_s)
-    if relaxed:
+        if obs.running <= k.max_num_seqs:  # above it, requests admitted earlier are still draining
+            scale = min(0.85, max(0.5, 0.9 * slo.itl_s / obs.itl))
+            step = lower("max_num_seqs", min(k.max_num_seqs, obs.running) * scale, itl_txt)
+        if step is None and k.max_num_seqs <= FLOORS.max_num_seqs:
+            step = lower("max_num_batched_tokens", k.max_num_batched_tokens // 2, itl_txt)
+    elif ttft_bad:
+        if obs.waiting > 0 and room:
+            step = raise_("max_num_seqs", 1.5, ttft_txt)
+        step = step or lower("decode_steps", k.decode_steps // 2, ttft_txt)
+    elif (obs.ttft is None or obs.ttft < RELAX * slo.ttft_s) and obs.itl is not None and obs.itl < RELAX * slo.itl_s:
         why = f"headroom ({ttft_txt}; {itl_txt})"
-        return (raise_("max_num_batched_tokens", 2.0, why) or raise_("decode_steps", 2.0, why)
-                or raise_("max_num_seqs", 1.5, why) or raise_("max_waiting", 2.0, why))
-    if obs.waiting == 0 and (obs.ttft is None or obs.ttft < RELAX * slo.ttft_s):
-        # the queue bound costs no step any time: with nobody waiting and TTFT well in, a
-        # short queue would only refuse the next burst
-        return raise_("max_waiting", 2.0, f"queue empty ({ttft_txt})")
-    return None
+        step = (raise_("max_num_seqs", 1.5, why) or raise_("max_num_batched_tokens", 2.0, why)
+                or raise_("decode_steps", 2.0, why))
+
+    queue: Change | None = None
+    if ttft_bad and obs.waiting > 0 and not (room and step is not None and step.new > step.old):
+        # at capacity: keep only the queue the finish rate can start within the objective
+        fits = math.floor(obs.finish_rate * slo.ttft_s)
+        queue = lower("max_waiting", max(fits, k.max_waiting // 4),
+                      f"at capacity ({ttft_txt}; {obs.finish_rate:.1f} req/s finishing): shed load sooner")
+    elif obs.waiting == 0 and not itl_bad and (obs.ttft is None or obs.ttft < RELAX * slo.ttft_s):
+        # the bound costs no step: with nobody waiting and TTFT well in, a short queue would
+        # only refuse the next burst
+        queue = raise_("max_waiting", 2.0, f"queue empty ({ttft_txt})")
+    return [c for c in (step, queue) if c is not None]
 
 
 def _ms(v: float | None) -> str:
@@ -177,6 +190,8 @@ class Autotuner:
         self.hold_s = hold_s
         self.clock = clock
         self.last_change = clock()
+        self.started = self.last_change
+        self._last: tuple[float, int, int] | None = None  # (time, generation tokens, running) at the last step
         self.lowered_at: dict[str, float] = {}
         self.last_dir: dict[str, str] = {}
         self.reversals: dict[str, int] = {}  # a knob lowered again after a raise: held twice as long
@@ -192,17 +207,28 @@ class Autotuner:
         hold = min(MAX_HOLD_S, self.hold_s * 2 ** self.reversals.get(knob, 0))
         return self.clock() - self.lowered_at.get(knob, -math.inf) < hold
 
-    def step(self) -> Change | None:
+    def step(self) -> list[Change]:
         now = self.clock()
         # only requests that arrived after the last change: the ones it could have affected
         since = max(self.last_change, now - self.window_s)
         served = self.stats.served_since(since, arrived_since=since)
+        recent = self.stats.served_since(now - self.window_s)
         s = self.engine.stats()
-        obs = observe(served, self.slo, s.num_waiting_interactive, s.num_running, s.oldest_waiting_s)
-        change = decide(self.knobs, obs, self.slo, self.ceiling, self.held)
-        if change is not None:
+        live_itl = None
+        if self._last is not None:
+            t0, gen0, run0 = self._last
+            tokens = s.generation_tokens - gen0
+            running = (run0 + s.num_running) / 2
+            if tokens > 0 and running >= 1:
+                live_itl = (now - t0) * running / tokens  # seconds per token, per running sequence
+        self._last = (now, s.generation_tokens, s.num_running)
+        span = min(self.window_s, max(now - self.started, 1e-3))
+        obs = observe(served, self.slo, s.num_waiting_interactive, s.num_running, s.oldest_waiting_s, live_itl,
+                      len(recent) / span)
+        changes = decide(self.knobs, obs, self.slo, self.ceiling, self.held)
+        for change in changes:
             self.apply(change, now)
-        return change
+        return changes
 
     def apply(self, change: Change, now: float) -> None:
         self.knobs = dataclasses.replace(self.knobs, **{change.knob: change.new})
@@ -238,6 +264,8 @@ class Autotuner:
             try:
                 if self.engine.running:
                     self.step()
+                else:
+                    self._last = None  # a restarted engine's counters start again
             except Exception:  # a bad step must not end the tuning loop
                 log.exception("autotune step failed")
 
