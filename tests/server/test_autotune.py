@@ -50,7 +50,10 @@ def test_itl_over_cuts_running_sequences_by_how_far_over():
 def test_ttft_over_with_itl_room_admits_more_without_it_sheds_by_littles_law():
     k = dataclasses.replace(CEIL, max_num_seqs=16)
     c = one(decide(k, obs(0.9, 0.01, waiting=5), SLO_, CEIL, never_held))
-    assert (c.knob, c.new) == ("max_num_seqs", 24)
+    assert (c.knob, c.new) == ("max_num_seqs", 20)
+    c = one(decide(k, obs(0.9, 0.01, waiting=5), SLO_, CEIL, never_held, itl_over_at=18))
+    assert (c.knob, c.new) == ("max_num_seqs", 17)  # not up to a count whose ITL was over
+    assert decide(k, obs(0.9, 0.01, waiting=5), SLO_, CEIL, never_held, itl_over_at=17)[0].knob != "max_num_seqs"
     changes = decide(k, obs(0.9, 0.045, waiting=40, rate=6.0), SLO_, CEIL, never_held)  # no ITL room
     assert one(changes, "decode_steps").new == 4
     assert one(changes, "max_waiting").new == 64  # 6 req/s x 0.5 s = 3 would fit; at most a quarter per change

@@ -164,6 +164,45 @@ class GGUFFile:
                 w = _reverse_permute(w, cfg.num_kv_heads)
             yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
+    def int4_grid(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A Q4_K tensor's own codes and grid per group of 32, w = q * d + m: q [N, K]
+        uint8 (0..15), d = the super-block's d x the group's 6-bit scale and m = -(dmin x
+        its 6-bit min), [N, K/32] float32; gguf's dequantization computes exactly this.
+        None for other types (Q4_0 and Q4_1 codes come back from their floats exactly)."""
+        t = self.tensors[name]
+        if Q(t.tensor_type) != Q.Q4_K:
+            return None
+        rows, cols = (int(x) for x in reversed(t.shape))
+        blocks = np.asarray(t.data).reshape(-1, 144)
+        nb = blocks.shape[0]
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        dd = d * sc.astype(np.float32)
+        mm = -(dmin * mn.astype(np.float32))
+        qs = blocks[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & np.uint8(0x0F)).reshape(rows, cols)
+        return q, dd.reshape(rows, cols // 32), mm.reshape(rows, cols // 32)
+
+    def int4_grids(self, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """hf_name -> (codes, d, m) for every Q4_K weight, rows in our order: int4 mode
+        keeps these codes instead of rounding the dequantized floats a second time."""
+        import torch
+
+        permute = cfg.architecture in ("llama", "mistral")
+        out = {}
+        for gname in self.tensors:
+            name = hf_name(gname)
+            grid = self.int4_grid(gname) if name is not None else None
+            if grid is None:
+                continue
+            if permute and gname.endswith("attn_q.weight"):
+                grid = tuple(_reverse_permute(a, cfg.num_heads) for a in grid)
+            elif permute and gname.endswith("attn_k.weight"):
+                grid = tuple(_reverse_permute(a, cfg.num_kv_heads) for a in grid)
+            out[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in grid)
+        return out
+
     def rope_freqs(self) -> torch.Tensor | None:
         """Llama 3.1-style per-frequency rope divisors, when the file stores them."""
         import torch

@@ -18,7 +18,8 @@ from tokenmill.model.memory import pack_together
 # (re-exported: the metadata side needs no torch, so a server's front process never loads it)
 from tokenmill.model.metadata import EMBEDDED_FILE, EMBEDDED_PACKAGE, default_model_path, load_metadata  # noqa: F401
 from tokenmill.model import prepared
-from tokenmill.model.quant import QUANTIZATIONS, output_projection, quant_vnni_available, quantize_linear
+from tokenmill.model.quant import (GROUP, QUANTIZATIONS, _int4_grid, output_projection, quant_vnni_available,
+                                  quantize_linear)
 from tokenmill.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -68,9 +69,11 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                rope_freqs: torch.Tensor | None = None, quantization: str = "none") -> LlamaModel:
+                rope_freqs: torch.Tensor | None = None, quantization: str = "none",
+                grids: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> LlamaModel:
     """Check the weights strictly, fuse q/k/v and gate/up, and quantize linears if asked
-    (quantized linears compute in bfloat16, so the rest of the model does too)."""
+    (quantized linears compute in bfloat16, so the rest of the model does too). `grids`:
+    int4 codes the file stores (GGUFFile.int4_grids), kept by int4 mode."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
     if quantization != "none":
@@ -91,10 +94,29 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     def w(name: str) -> torch.Tensor:
         return weights[name].to(dtype).contiguous()
 
-    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False):
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False,
+               names: tuple[str, ...] = ()):
         if quantization == "none":
             return DenseLinear(weight.to(dtype).contiguous(), bias)
-        return quantize_linear(quantization, weight, bias, precise)
+        return quantize_linear(quantization, weight, bias, precise, grid_of(names))
+
+    def grid_of(names: tuple[str, ...]):
+        """The fused rows' int4 grid when any part has the file's own: the others' derived
+        from their floats as Int4Linear would."""
+        if quantization != "int4" or not grids or not any(n in grids for n in names):
+            return None
+        parts = []
+        for n in names:
+            if n in grids:
+                q, d, m = grids[n]
+            else:
+                wf = weights[n].float()
+                r, c = wf.shape
+                if c % GROUP:
+                    return None
+                d, m, q = _int4_grid(wf.view(r, c // GROUP, GROUP))
+            parts.append((q.reshape(q.shape[0], -1), d.float(), m.float()))
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
 
     def f32(name: str) -> torch.Tensor:
         return weights[name].float()
@@ -112,11 +134,11 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
             # answers left the exact mode's on 38 of 64 prompts against 13 with two
             # (benchmarks/fidelity.py); two levels cost ~15% of decode speed at 16 rows and
             # little at one, where the weight stream sets the time.
-            qkv=linear(qkv_w, qkv_b, precise=True),
-            o_proj=linear(f32(p + "self_attn.o_proj.weight"), precise=True),
+            qkv=linear(qkv_w, qkv_b, precise=True, names=tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+            o_proj=linear(f32(p + "self_attn.o_proj.weight"), precise=True, names=(p + "self_attn.o_proj.weight",)),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=linear(gate_up, precise=True),
-            down=linear(f32(p + "mlp.down_proj.weight"), precise=True),
+            gate_up=linear(gate_up, precise=True, names=(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+            down=linear(f32(p + "mlp.down_proj.weight"), precise=True, names=(p + "mlp.down_proj.weight",)),
         ))
     embed = w("model.embed_tokens.weight")
     if quantization == "none" and cfg.tie_word_embeddings:
@@ -185,7 +207,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     else:
         weights = dict(gf.iter_state_dict(cfg))
         rope_freqs = gf.rope_freqs()
-    model = build_model(cfg, weights, torch_dtype, rope_freqs, quantization)
+    grids = gf.int4_grids(cfg) if quantization == "int4" and not os.path.isdir(path) else None
+    model = build_model(cfg, weights, torch_dtype, rope_freqs, quantization, grids)
     if file:
         prepared.save(model, file)
         prepared.say(f"prepared in {time.perf_counter() - t0:.1f} s")

@@ -228,15 +228,22 @@ def _int4_grid(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 class Int4Linear(_Quantized):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False,
+                 grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """`grid`: the file's own (codes [N, K], d, m [N, K/32]) where it has them (a K-quant
+        file's): kept, with d and m rounded to float16, instead of re-deriving a grid."""
         w = weight.float()
         # precise: the VNNI kernel rounds activations to two int8 levels instead of one
         self.precise = precise
         n, k = w.shape
         if not _tileable(n, k):
             raise ValueError(f"int4 needs in_features in {GROUP}s and out_features in {TILE}s, got {k}, {n}")
-        g = w.view(n, k // GROUP, GROUP)
-        self.d, self.m, q = _int4_grid(g)
+        if grid is not None:
+            q = grid[0].to(torch.uint8).reshape(n, k)
+            self.d, self.m = grid[1].to(torch.float16).reshape(n, k // GROUP), grid[2].to(torch.float16).reshape(
+                n, k // GROUP)
+        else:
+            self.d, self.m, q = _int4_grid(w.view(n, k // GROUP, GROUP))
         q = q.view(n, k)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = n, k
@@ -279,8 +286,10 @@ class Int4Linear(_Quantized):
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
-def quantize_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, precise: bool = False):
-    """precise: the layer's inputs carry outlier channels (int4 only; see Int4Linear)."""
+def quantize_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, precise: bool = False,
+                    grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """precise: the layer's inputs carry outlier channels (int4 only; see Int4Linear).
+    grid: int4 codes and grid to keep (Int4Linear)."""
     if kind == "int8":
         n, k = weight.shape
         if _vnni_ops() is not None and _tileable(n, k):
@@ -292,5 +301,5 @@ def quantize_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, 
             # torch's int4 packing needs whole groups along K and N in 16s; a layer of any
             # other shape keeps 8 bits rather than failing the load
             return Int8Linear(weight, bias)
-        return Int4Linear(weight, bias, precise=precise)
+        return Int4Linear(weight, bias, precise=precise, grid=grid)
     raise ValueError(f"unknown quantization {kind!r}; choose one of {QUANTIZATIONS}")

