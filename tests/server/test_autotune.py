@@ -70,6 +70,7 @@ def test_dead_band_holds_still_and_headroom_gives_back_unless_held():
     assert decide(low, obs(0.4, 0.04, waiting=2), SLO_, CEIL, never_held) == []
     assert [(c.knob, c.new) for c in decide(low, obs(0.1, 0.01), SLO_, CEIL, never_held)] == \
         [("max_num_seqs", 12), ("max_waiting", 64)]
+    assert decide(low, obs(None, 0.01, waiting=4, requests=0, oldest=0.4), SLO_, CEIL, never_held) == []  # a queue
     held = decide(low, obs(0.1, 0.01), SLO_, CEIL, lambda knob: knob in ("max_num_seqs", "max_waiting"))
     assert [(c.knob, c.new) for c in held] == [("max_num_batched_tokens", 256)]
     assert decide(CEIL, obs(0.1, 0.01), SLO_, CEIL, never_held) == []  # never past the operator's settings

@@ -155,9 +155,10 @@ def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[
         if obs.waiting > 0 and room:
             step = raise_("max_num_seqs", 1.25, ttft_txt, itl_over_at)
         step = step or lower("decode_steps", k.decode_steps // 2, ttft_txt)
-    elif (obs.ttft is None or obs.ttft < RELAX * slo.ttft_s) and obs.itl is not None and obs.itl < RELAX * slo.itl_s:
+    elif ((obs.ttft is None or obs.ttft < RELAX * slo.ttft_s) and obs.oldest_wait_s < RELAX * slo.ttft_s
+          and obs.itl is not None and obs.itl < RELAX * slo.itl_s):
         why = f"headroom ({ttft_txt}; {itl_txt})"
-        step = (raise_("max_num_seqs", 1.5, why) or raise_("max_num_batched_tokens", 2.0, why)
+        step = (raise_("max_num_seqs", 1.5, why, itl_over_at) or raise_("max_num_batched_tokens", 2.0, why)
                 or raise_("decode_steps", 2.0, why))
 
     queue: Change | None = None
