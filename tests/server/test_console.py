@@ -131,10 +131,15 @@ def test_stop_cancels_the_request_in_the_engine(live, browser):
         p.page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached")
         p.page.fill("#max_tokens", "4000")
         p.page.fill("#temperature", "0")
-        p.page.fill("#prompt", "Count from 1 to 10000, separated by commas.")
+        # an answer that runs past 1,500 tokens in greedy (a counting prompt ends after ~120)
+        p.page.fill("#prompt", "Write a very long essay about the history of the Roman Empire, at least 3000 words.")
         p.page.click("#send")
         expect(p.page.locator(".msg.assistant .content")).to_have_text(re.compile(r"\S"), timeout=60_000)
+        deadline = time.monotonic() + 10  # the engine's figures reach /metrics with its next report
+        while time.monotonic() < deadline and metric(srv, "tokenmill_num_requests_running") != 1:
+            time.sleep(0.05)
         assert metric(srv, "tokenmill_num_requests_running") == 1
+        assert p.text("#fig-finish") == "–"  # still streaming
         p.page.click("#stop")
         stopped = time.monotonic()
         expect(p.page.locator("#fig-finish")).to_have_text("stopped", timeout=10_000)
