@@ -85,3 +85,11 @@ def metric(server, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def add_key(db, tenant, *args) -> str:
+    """A tenant's new API key, through the real CLI."""
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "keys", "add", tenant, "--db", str(db), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +19,7 @@ import httpx
 import pytest
 from playwright.sync_api import expect
 
-from tests.server.conftest import MODEL, ServerProcess, metric
+from tests.server.conftest import MODEL, ServerProcess, add_key, metric
 
 pytestmark = pytest.mark.slow
 ARTIFACTS = Path(os.environ.get("TOKENMILL_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
@@ -35,13 +33,6 @@ def chromium_path() -> str:
     if path is None:
         pytest.fail("no chromium: `make install` installs Debian's chromium package for these tests")
     return path
-
-
-def add_key(db, tenant, *args) -> str:
-    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "keys", "add", tenant, "--db", str(db), *args],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip()
 
 
 @pytest.fixture(scope="module")

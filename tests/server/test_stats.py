@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.conftest import MODEL, ServerProcess, metric
+from tests.server.conftest import MODEL, ServerProcess, add_key, metric
 from tokenmill.engine.api import RequestOutput, RequestTimes
 from tokenmill.server.stats import StatsWindow
 
@@ -65,13 +65,6 @@ def test_window_rates_percentiles_and_tenant_scope():
     clock.t += 120.0  # past the horizon: the window is empty again
     _, later = w.series(None, 60.0)
     assert later["output_tokens"] == 0 and later["ttft_p50"] is None
-
-
-def add_key(db, tenant, *args) -> str:
-    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "keys", "add", tenant, "--db", str(db), *args],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip()
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,10 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, ServerProcess, metric
+from tests.server.conftest import MODEL, ServerProcess, add_key, metric
 
 RL_HEADERS = ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
               "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]
-
-
-def add_key(db, tenant, *args) -> str:
-    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "keys", "add", tenant, "--db", str(db), *args],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip()
 
 
 @pytest.fixture(scope="module")
