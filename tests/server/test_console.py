@@ -68,6 +68,15 @@ class Page:
         self.page.fill("#api-key", key)
         self.page.press("#api-key", "Tab")  # `change` stores it and reloads the models
 
+    def ask(self, key: str, prompt: str, max_tokens: int) -> None:
+        """Send a greedy chat turn from the playground once the models are loaded."""
+        self.set_key(key)
+        self.page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached")
+        self.page.fill("#temperature", "0")
+        self.page.fill("#max_tokens", str(max_tokens))
+        self.page.fill("#prompt", prompt)
+        self.page.click("#send")
+
     def text(self, selector: str) -> str:
         return self.page.text_content(selector) or ""
 
@@ -89,12 +98,7 @@ def test_playground_streams_an_answer_with_usage_and_cost(live, browser):
     srv, keys = live
     p = Page(browser, srv.url)
     try:
-        p.set_key(keys["user"])
-        p.page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached")
-        p.page.fill("#temperature", "0")
-        p.page.fill("#max_tokens", "24")
-        p.page.fill("#prompt", "What is the capital of France?")
-        p.page.click("#send")
+        p.ask(keys["user"], "What is the capital of France?", 24)
         expect(p.page.locator("#fig-completion")).not_to_have_text("–", timeout=60_000)
         answer = p.text(".msg.assistant .content")
         assert "Paris" in answer
@@ -118,13 +122,8 @@ def test_stop_cancels_the_request_in_the_engine(live, browser):
     srv, keys = live
     p = Page(browser, srv.url)
     try:
-        p.set_key(keys["user"])
-        p.page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached")
-        p.page.fill("#max_tokens", "4000")
-        p.page.fill("#temperature", "0")
         # an answer that runs past 1,500 tokens in greedy (a counting prompt ends after ~120)
-        p.page.fill("#prompt", "Write a very long essay about the history of the Roman Empire, at least 3000 words.")
-        p.page.click("#send")
+        p.ask(keys["user"], "Write a very long essay about the history of the Roman Empire, at least 3000 words.", 4000)
         expect(p.page.locator(".msg.assistant .content")).to_have_text(re.compile(r"\S"), timeout=60_000)
         deadline = time.monotonic() + 10  # the engine's figures reach /metrics with its next report
         while time.monotonic() < deadline and metric(srv, "tokenmill_num_requests_running") != 1:

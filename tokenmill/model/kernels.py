@@ -57,9 +57,6 @@ _STALE_HELD_S = 10.0  # a lock still held this long after its recorded owner die
 Say = Callable[[str], None]
 
 
-_say = logs.say
-
-
 class BuildError(RuntimeError):
     """The compiler ran and the build failed (the message ends with its output)."""
 
@@ -215,7 +212,7 @@ def _read_owner(path: str) -> Owner | None:
 
 @contextmanager
 def build_lock(path: str, timeout: float | None = None, poll_s: float = 0.2,
-               say: Say = _say) -> Iterator[Owner | None]:
+               say: Say = logs.say) -> Iterator[Owner | None]:
     """Hold `path` exclusively. Yields the owner who died holding it (its build was
     interrupted) or None.
 
@@ -303,7 +300,7 @@ def _load_built(plan: BuildPlan) -> ModuleType | None:
         return None
 
 
-def load_native(plan: BuildPlan, verbose: bool = False, retry: bool = False, say: Say = _say) -> ModuleType:
+def load_native(plan: BuildPlan, verbose: bool = False, retry: bool = False, say: Say = logs.say) -> ModuleType:
     """The compiled module for `plan`: from the cache, or built first (under the lock).
     Raises BuildError if the build fails or, unless `retry`, failed before for this key;
     RuntimeError if there is no compiler."""

@@ -17,6 +17,7 @@ from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
 from tokenmill.model.memory import pack_together
 # (re-exported: the metadata side needs no torch, so a server's front process never loads it)
 from tokenmill.model.metadata import EMBEDDED_FILE, EMBEDDED_PACKAGE, default_model_path, load_metadata  # noqa: F401
+from tokenmill import logs
 from tokenmill.model import prepared
 from tokenmill.model.quant import (GROUP, QUANTIZATIONS, _int4_grid, output_projection, quant_vnni_available,
                                   quantize_linear)
@@ -189,7 +190,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     if quantization == "auto":
         quantization = file_quantization(qtypes)
         kept = "the file's Q8_0 blocks" if quantization == "int8" else "4-bit blocks"
-        prepared.say(f"{os.path.basename(path)}: weights run as {quantization} (--quantization auto: {kept})")
+        logs.say(f"{os.path.basename(path)}: weights run as {quantization} (--quantization auto: {kept})")
     # Only quantized models are worth caching: a dense one is its file's tensors converted.
     file = None
     if quantization != "none":
@@ -199,7 +200,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
         _pack_tiles(model)
         return LoadedModel(model, tokenizer, cfg, path, qtypes, quantization)
     if file:
-        prepared.say(f"preparing {os.path.basename(path)} ({quantization}: dequantizing, requantizing, packing "
+        logs.say(f"preparing {os.path.basename(path)} ({quantization}: dequantizing, requantizing, packing "
                      f"for the kernels); cached for later starts in {os.path.dirname(file)}")
     t0 = time.perf_counter()
     if os.path.isdir(path):
@@ -211,7 +212,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     model = build_model(cfg, weights, torch_dtype, rope_freqs, quantization, grids)
     if file:
         prepared.save(model, file)
-        prepared.say(f"prepared in {time.perf_counter() - t0:.1f} s")
+        logs.say(f"prepared in {time.perf_counter() - t0:.1f} s")
     return LoadedModel(model, tokenizer, cfg, path, qtypes, quantization)
 
 

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from tokenmill import logs
-
 FORMAT = 1
 _SOURCES = ("llama.py", "quant.py", "loader.py", "memory.py", "attention.py", "config.py", "gguf_loader.py",
             "safetensors_loader.py", "prepared.py")
@@ -137,5 +135,3 @@ def _write_atomic(path: str, data: bytes) -> None:
         f.write(data)
     os.replace(tmp, path)
 
-
-say = logs.say  # a long preparation says what it does
