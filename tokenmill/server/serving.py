@@ -72,7 +72,7 @@ class RequestContext:
         self._finished = True
         for f in self.finalizers:
             f(self.usage)
-        if self.trace is not None:
+        if self.trace is not None:  # after every finalizer, not one of them: the pricer's sets cost_usd
             self.trace.end(self.status_code, self.usage)
 
 
