@@ -54,10 +54,9 @@ def test_ttft_over_with_itl_room_admits_more_without_it_sheds_by_littles_law():
     c = one(decide(k, obs(0.9, 0.01, waiting=5), SLO_, CEIL, never_held, itl_over_at=18))
     assert (c.knob, c.new) == ("max_num_seqs", 17)  # not up to a count whose ITL was over
     assert decide(k, obs(0.9, 0.01, waiting=5), SLO_, CEIL, never_held, itl_over_at=17)[0].knob != "max_num_seqs"
-    changes = decide(k, obs(0.9, 0.045, waiting=40, rate=6.0), SLO_, CEIL, never_held)  # no ITL room
-    assert one(changes, "decode_steps").new == 4
-    assert one(changes, "max_waiting").new == 64  # 6 req/s x 0.5 s = 3 would fit; at most a quarter per change
-    k2 = dataclasses.replace(k, max_waiting=16, decode_steps=1)
+    c = one(decide(k, obs(0.9, 0.045, waiting=40, rate=6.0), SLO_, CEIL, never_held))  # no ITL room
+    assert (c.knob, c.new) == ("max_waiting", 64)  # 6 req/s x 0.5 s = 3 would fit; at most a quarter per change
+    k2 = dataclasses.replace(k, max_waiting=16)
     c = one(decide(k2, obs(0.9, 0.045, waiting=40, rate=6.0), SLO_, CEIL, never_held))
     assert (c.knob, c.new) == ("max_waiting", 4)  # Little's law: 3, raised to the floor
     c = one(decide(k, obs(None, 0.045, waiting=3, requests=0, oldest=0.7), SLO_, CEIL, never_held), "max_waiting")

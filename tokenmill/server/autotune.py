@@ -25,7 +25,7 @@ Rules:
                      room the server is at capacity: the queue bound goes to what the
                      finish rate can start within the objective (Little's law; at most
                      a quarter per change), so the excess is refused at once (503)
-                     instead of waiting to miss; then shorter decode bursts
+                     instead of waiting to miss
   both well under    (< 60%) headroom: step knobs go back toward the operator's settings
   nobody waiting     the queue bound grows back (it costs no step), with TTFT well under
 
@@ -154,7 +154,9 @@ def decide(k: Knobs, obs: Observation, slo: SLO, ceiling: Knobs, held: Callable[
     elif ttft_bad:
         if obs.waiting > 0 and room:
             step = raise_("max_num_seqs", 1.25, ttft_txt, itl_over_at)
-        step = step or lower("decode_steps", k.decode_steps // 2, ttft_txt)
+        # (shorter decode bursts are no cure: a burst delays a waiting prefill by a few
+        # steps, tens of ms, while cutting it costs the throughput a queue needs drained;
+        # measured on the step load, bursts of 1 halved the heavy phase's goodput)
     elif ((obs.ttft is None or obs.ttft < RELAX * slo.ttft_s) and obs.oldest_wait_s < RELAX * slo.ttft_s
           and obs.itl is not None and obs.itl < RELAX * slo.itl_s):
         why = f"headroom ({ttft_txt}; {itl_txt})"
