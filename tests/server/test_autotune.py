@@ -167,6 +167,40 @@ def test_tuner_loop_settles_within_bounds_without_flip_flopping():
     assert goodput(window.served_since(clock.t - 10), tuner.slo, 10.0) > 0
 
 
+class FixedEngine:
+    """An engine whose counters the test sets."""
+
+    def __init__(self):
+        self.s = EngineStats()
+        self.running = True
+        self.tuned = {}
+
+    def stats(self):
+        return self.s
+
+    def tune(self, **kw):
+        self.tuned.update(kw)
+
+
+def test_what_is_measured_while_a_cut_drains_neither_counts_nor_sticks():
+    clock = Clock()
+    window = StatsWindow(clock=clock)
+    engine = FixedEngine()
+    tuner = Autotuner(SLO(ttft_s=1.0, itl_s=0.04), engine, Gate(), window, Metrics(engine.stats),
+                      dataclasses.replace(CEIL, max_num_seqs=4), hold_s=20.0, clock=clock)
+    engine.s = EngineStats(num_running=12, num_waiting=3, num_waiting_interactive=3, generation_tokens=0)
+    tuner.step()
+    clock.t += 2.0  # 12 still run under a bound of 4 (admitted before a cut), slowly: 2 s for 200 tokens
+    engine.s = EngineStats(num_running=12, num_waiting=3, num_waiting_interactive=3, generation_tokens=200)
+    tuner.step()
+    assert tuner._itl_over is None and tuner.last_change == clock.t  # the fresh window starts after the drain
+    tuner._itl_over = (clock.t, 4)  # a count once seen over the objective ...
+    clock.t += 2.0
+    engine.s = EngineStats(num_running=4, num_waiting=3, num_waiting_interactive=3, generation_tokens=1000)
+    tuner.step()  # ... runs at 5 ms a token now: that record is contradicted, and forgotten
+    assert tuner._itl_over is None
+
+
 def test_engine_rejects_unknown_knobs():
     from tokenmill.engine.api import check_knobs
 

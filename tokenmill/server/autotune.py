@@ -29,6 +29,11 @@ Rules:
   both well under    (< 60%) headroom: step knobs go back toward the operator's settings
   nobody waiting     the queue bound grows back (it costs no step), with TTFT well under
 
+After a cut, requests admitted under the old bound still run: until they drain, what is
+measured belongs to the old setting, so the fresh window starts only once they have, and
+nothing seen meanwhile is remembered as "over at this count". A count remembered so is
+forgotten once that many run well within the ITL objective.
+
 Goodput is the rate of requests meeting both objectives. No knob exceeds what the
 operator configured (those are upper bounds) or goes below FLOORS; a knob lowered is
 not raised again for `hold_s`, doubled each time a raise had to be taken back, so a
@@ -222,11 +227,16 @@ class Autotuner:
 
     def step(self) -> list[Change]:
         now = self.clock()
+        s = self.engine.stats()
+        # After a cut, requests admitted under the old bound still run: what anyone measures
+        # until they drain is the old setting's, so the fresh window starts when they have.
+        draining = s.num_running > self.knobs.max_num_seqs
+        if draining:
+            self.last_change = now
         # only requests that arrived after the last change: the ones it could have affected
         since = max(self.last_change, now - self.window_s)
         served = self.stats.served_since(since, arrived_since=since)
         recent = self.stats.served_since(now - self.window_s)
-        s = self.engine.stats()
         live_itl = None
         if self._last is not None:
             t0, gen0, run0 = self._last
@@ -238,11 +248,13 @@ class Autotuner:
         span = min(self.window_s, max(now - self.started, 1e-3))
         obs = observe(served, self.slo, s.num_waiting_interactive, s.num_running, s.oldest_waiting_s, live_itl,
                       len(recent) / span)
-        if obs.itl is not None and obs.itl > self.slo.itl_s and s.num_running > 0:
+        if not draining and obs.itl is not None and obs.itl > self.slo.itl_s and s.num_running > 0:
             self._itl_over = (now, s.num_running if self._itl_over is None or now - self._itl_over[0] > self._memory_s()
                               else min(s.num_running, self._itl_over[1]))
-        if self._itl_over is not None and now - self._itl_over[0] > self._memory_s():
-            self._itl_over = None
+        if self._itl_over is not None and (now - self._itl_over[0] > self._memory_s() or (
+                not draining and obs.itl is not None and obs.itl < ITL_ROOM * self.slo.itl_s
+                and s.num_running >= self._itl_over[1])):
+            self._itl_over = None  # forgotten, or contradicted: that many run well within the objective now
         changes = decide(self.knobs, obs, self.slo, self.ceiling, self.held,
                          self._itl_over[1] if self._itl_over else None)
         for change in changes:
