@@ -48,6 +48,61 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+_CLUSTER_ONLY = ("replicas", "min_replicas", "max_replicas", "target_ongoing", "routing", "imbalance", "address")
+
+
+def _command(func, drop: tuple[str, ...], doc: str, **fixed):
+    """A typer command with `func`'s options less `drop` (and the internal ones, given
+    by `fixed`): `serve` and `cluster serve` share one definition of every option."""
+    import functools
+    import inspect
+
+    sig = inspect.signature(func)
+    gone = set(drop) | set(fixed)
+    for p in sig.parameters.values():  # a dropped option takes its default
+        if p.name in drop and p.name not in fixed:
+            fixed[p.name] = getattr(p.default, "default", p.default)
+
+    @functools.wraps(func)
+    def command(**kwargs):
+        return func(**kwargs, **fixed)
+
+    command.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in gone])
+    command.__annotations__ = {k: v for k, v in func.__annotations__.items() if k not in gone}
+    command.__doc__ = doc
+    return command
+
+
+def _cluster_engine(config, replicas: str, min_replicas: int, max_replicas: int, target_ongoing: float,
+                    routing: str, imbalance: int, address: Optional[str], log_format: str):
+    import dataclasses
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("ray") is None:
+        _fail("cluster serving needs Ray Serve: pip install 'tokenmill[cluster]'")
+    from tokenmill.cluster.engine import ClusterEngine, ClusterOptions
+    from tokenmill.cluster.routing import POLICIES
+
+    if routing not in POLICIES:
+        _fail(f"--routing must be one of {', '.join(POLICIES)}, got {routing!r}")
+    if replicas == "auto":
+        count = None
+        if not 1 <= min_replicas <= max_replicas or target_ongoing <= 0:
+            _fail("--replicas auto needs 1 <= --min-replicas <= --max-replicas and a positive --target-ongoing")
+    elif replicas.isdigit() and int(replicas) >= 1:
+        count = int(replicas)
+    else:
+        _fail(f"--replicas must be a positive number or auto, got {replicas!r}")
+    if imbalance < 0:
+        _fail("--imbalance must be 0 or more")
+    if config.num_threads is None:  # the cores shared out, not every replica on all of them
+        config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // (count or max_replicas)))
+    return ClusterEngine(config, ClusterOptions(replicas=count, min_replicas=min_replicas, max_replicas=max_replicas,
+                                                target_ongoing=target_ongoing, routing=routing, imbalance=imbalance,
+                                                address=address, log_format=log_format))
+
+
 def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_gb: Optional[float],
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: Optional[int], block_size: int,
                   enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8,
@@ -98,8 +153,7 @@ async def _start(engine) -> None:
         _fail(str(exc))
 
 
-@app.command()
-def serve(
+def _serve(
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
     dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     quantization: Optional[str] = typer.Option(None, "--quantization", help=QUANT_HELP),
@@ -185,6 +239,24 @@ def serve(
     autotune_hold: float = typer.Option(20.0, "--autotune-hold",
                                         help="Seconds a knob lowered for a violation is not raised again "
                                              "(doubled each time a raise of it had to be taken back)."),
+    replicas: str = typer.Option("2", "--replicas",
+                                 help="Engine replicas: a number, or auto (Ray Serve autoscaling between "
+                                      "--min-replicas and --max-replicas)."),
+    min_replicas: int = typer.Option(1, "--min-replicas", help="With --replicas auto: the fewest replicas."),
+    max_replicas: int = typer.Option(4, "--max-replicas", help="With --replicas auto: the most replicas."),
+    target_ongoing: float = typer.Option(8.0, "--target-ongoing",
+                                         help="With --replicas auto: requests in flight per replica to scale "
+                                              "toward (running plus waiting)."),
+    routing: str = typer.Option("affinity", "--routing",
+                                help="affinity (prefix-cache affinity with a load guard), round_robin or p2c "
+                                     "(power of two choices)."),
+    imbalance: int = typer.Option(4, "--imbalance",
+                                  help="Load guard: requests a prompt's preferred replica may have above the "
+                                       "least busy one before the request goes to the least busy."),
+    address: Optional[str] = typer.Option(None, "--address",
+                                          help="Join this Ray cluster (e.g. auto, or HOST:6379) instead of "
+                                               "starting a local one."),
+    cluster: bool = False,
 ) -> None:
     """Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."""
     import logging
@@ -271,7 +343,8 @@ def serve(
     if engine_mode not in ENGINE_MODES:
         _fail(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {engine_mode!r}")
     try:
-        engine = make_engine(config, engine_mode)
+        engine = _cluster_engine(config, replicas, min_replicas, max_replicas, target_ongoing, routing, imbalance,
+                                 address, log_format) if cluster else make_engine(config, engine_mode)
     except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
     if engine.tokenizer is None:
@@ -280,6 +353,17 @@ def serve(
                                  shutdown_timeout_s=shutdown_timeout)
     app_ = build_app(engine, server_config, policy, tracer_provider=tracer_provider, autotune=autotune)
     run_server(app_, host, port, shutdown_timeout, log_level.lower(), own_logging=log_format == "json")
+
+
+serve = app.command("serve")(_command(
+    _serve, _CLUSTER_ONLY, "Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000).",
+    cluster=False))
+cluster_app = typer.Typer(no_args_is_help=True)
+cluster_app.command("serve")(_command(
+    _serve, ("engine_mode", "slo_ttft_ms", "slo_itl_ms", "slo_percentile", "autotune_interval", "autotune_hold"),
+    "Serve the same API from engine replicas on Ray Serve, behind this process as the ingress (keys, limits, "
+    "pricing and metrics here; prefix-affinity routing to the replicas). Needs tokenmill[cluster].",
+    cluster=True))
 
 
 @app.command()
@@ -396,6 +480,7 @@ app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, c
 app.add_typer(keys_app, name="keys", help="Manage tenants and API keys.")
 app.add_typer(batch_app, name="batch", help="Submit and follow Batch API jobs (OpenAI's /v1/batches).")
 app.add_typer(models_app, name="models", help="Install and list models (a name for --model).")
+app.add_typer(cluster_app, name="cluster", help="Scale out: engine replicas on Ray Serve behind one ingress.")
 
 
 def main() -> None:  # pragma: no cover

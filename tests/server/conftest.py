@@ -23,12 +23,12 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, port: int | None = None,
-                 new_session: bool = False):
+                 new_session: bool = False, command: tuple[str, ...] = ("serve",)):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if "--data-dir" not in args and "--no-batch-api" not in args:  # the Batch API's store: a fresh one
             args = ("--data-dir", tempfile.mkdtemp(prefix="tokenmill-data-"), *args)
-        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "tokenmill.cli", *command, "--port", str(self.port),
                "--kv-cache-gb", "0.25", "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})}, start_new_session=new_session)

@@ -238,7 +238,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     if engine.tokenizer is None:
         raise ValueError("the server needs a model with a tokenizer")
     state = ServerState()
-    metrics = Metrics(engine.stats)
+    # a cluster engine (tokenmill.cluster) also reports its replicas and routing
+    metrics = Metrics(engine.stats, getattr(engine, "replica_stats", None), getattr(engine, "router_decisions", None))
     gate = Gate(policy.defaults, engine.stats, metrics, policy.admission)
     pricer = None
     if policy.card is not None:
@@ -383,6 +384,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
             out["batches"] = runner.store.status_counts(None if admin else tenant.name)
         if tuner is not None and admin:
             out["autotune"] = tuner.status()
+        if admin and hasattr(engine, "replica_stats"):  # behind `tokenmill cluster serve`
+            out["replicas"] = engine.replica_stats()
         return out
 
     add_console_routes(app, keys_required=policy.keys is not None)

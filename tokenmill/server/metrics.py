@@ -18,8 +18,41 @@ _TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats]):
+    def __init__(self, stats: Callable[[], EngineStats], replicas: Callable[[], dict] | None = None,
+                 decisions: Callable[[], dict[str, int]] | None = None):
         self._stats = stats
+        self._replicas = replicas
+        self._decisions = decisions
+
+    def _cluster(self) -> Iterable[GaugeMetricFamily]:
+        """Behind `tokenmill cluster serve`: each replica's own engine figures, labelled."""
+        reports = self._replicas()
+        yield GaugeMetricFamily("tokenmill_replicas", "Engine replicas reporting.", value=len(reports))
+        families = {name: GaugeMetricFamily(f"tokenmill_replica_{name}", doc, labels=["replica"])
+                    for name, doc in (("num_requests_running", "Requests running on the replica."),
+                                      ("num_requests_waiting", "Requests waiting on the replica."),
+                                      ("kv_blocks_used", "KV cache blocks held on the replica."),
+                                      ("prefix_cache_queries_tokens", "Prompt tokens looked up in its cache."),
+                                      ("prefix_cache_hits_tokens", "Prompt tokens found in its cache."),
+                                      ("generation_tokens", "Output tokens it generated."))}
+        routed = CounterMetricFamily("tokenmill_replica_requests", "Requests routed to the replica.",
+                                     labels=["replica"])
+        for rid, r in reports.items():
+            s = r["stats"]
+            for name, key in (("num_requests_running", "num_running"), ("num_requests_waiting", "num_waiting"),
+                              ("kv_blocks_used", "kv_blocks_used"), ("prefix_cache_queries_tokens", "prefix_queries"),
+                              ("prefix_cache_hits_tokens", "prefix_hits"), ("generation_tokens", "generation_tokens")):
+                families[name].add_metric([rid], s[key])
+            routed.add_metric([rid], r["requests"])
+        yield from families.values()
+        yield routed
+        if self._decisions is not None:
+            d = CounterMetricFamily("tokenmill_router_decisions", "Prefix-affinity routing decisions: hit (to the "
+                                    "replica holding the prefix), miss (no replica known), load_guard (the "
+                                    "holder was too busy).", labels=["decision"])
+            for name, value in self._decisions().items():
+                d.add_metric([name], value)
+            yield d
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         s = self._stats()
@@ -48,6 +81,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("tokenmill_spec_mean_accepted_length",
                                 "Tokens a request got per step that checked its drafts (1 + accepted; "
                                 "0 before any).", value=mean)
+        if self._replicas is not None:
+            yield from self._cluster()
 
 
 class BulkHistogram:
@@ -81,7 +116,8 @@ class BulkHistogram:
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats]):
+    def __init__(self, stats: Callable[[], EngineStats], replicas: Callable[[], dict] | None = None,
+                 decisions: Callable[[], dict[str, int]] | None = None):
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY, registry=r)
@@ -117,7 +153,7 @@ class Metrics:
                                    ["knob"], registry=r)
         self.autotune_changes = Counter("tokenmill_autotune_changes", "Knob changes the SLO autotuner made.",
                                         ["knob", "direction"], registry=r)
-        r.register(_EngineCollector(stats))
+        r.register(_EngineCollector(stats, replicas, decisions))
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished sample (the first sample also records its prompt)."""
