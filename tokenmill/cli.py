@@ -48,7 +48,8 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-_CLUSTER_ONLY = ("replicas", "min_replicas", "max_replicas", "target_ongoing", "routing", "imbalance", "address")
+_CLUSTER_ONLY = ("replicas", "min_replicas", "max_replicas", "target_ongoing", "scale_down_delay", "routing",
+                 "imbalance", "address")
 
 
 def _command(func, drop: tuple[str, ...], doc: str, **fixed):
@@ -74,7 +75,7 @@ def _command(func, drop: tuple[str, ...], doc: str, **fixed):
 
 
 def _cluster_engine(config, replicas: str, min_replicas: int, max_replicas: int, target_ongoing: float,
-                    routing: str, imbalance: int, address: Optional[str], log_format: str):
+                    scale_down_delay: float, routing: str, imbalance: int, address: Optional[str], log_format: str):
     import dataclasses
     import importlib.util
     import os
@@ -88,8 +89,9 @@ def _cluster_engine(config, replicas: str, min_replicas: int, max_replicas: int,
         _fail(f"--routing must be one of {', '.join(POLICIES)}, got {routing!r}")
     if replicas == "auto":
         count = None
-        if not 1 <= min_replicas <= max_replicas or target_ongoing <= 0:
-            _fail("--replicas auto needs 1 <= --min-replicas <= --max-replicas and a positive --target-ongoing")
+        if not 1 <= min_replicas <= max_replicas or target_ongoing <= 0 or scale_down_delay < 0:
+            _fail("--replicas auto needs 1 <= --min-replicas <= --max-replicas, a positive --target-ongoing and "
+                  "a --scale-down-delay of 0 or more")
     elif replicas.isdigit() and int(replicas) >= 1:
         count = int(replicas)
     else:
@@ -99,7 +101,8 @@ def _cluster_engine(config, replicas: str, min_replicas: int, max_replicas: int,
     if config.num_threads is None:  # the cores shared out, not every replica on all of them
         config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // (count or max_replicas)))
     return ClusterEngine(config, ClusterOptions(replicas=count, min_replicas=min_replicas, max_replicas=max_replicas,
-                                                target_ongoing=target_ongoing, routing=routing, imbalance=imbalance,
+                                                target_ongoing=target_ongoing, scale_down_delay_s=scale_down_delay,
+                                                routing=routing, imbalance=imbalance,
                                                 address=address, log_format=log_format))
 
 
@@ -247,6 +250,9 @@ def _serve(
     target_ongoing: float = typer.Option(8.0, "--target-ongoing",
                                          help="With --replicas auto: requests in flight per replica to scale "
                                               "toward (running plus waiting)."),
+    scale_down_delay: float = typer.Option(30.0, "--scale-down-delay",
+                                           help="With --replicas auto: seconds the load must stay below the "
+                                                "target before a replica is removed (it drains first)."),
     routing: str = typer.Option("affinity", "--routing",
                                 help="affinity (prefix-cache affinity with a load guard), round_robin or p2c "
                                      "(power of two choices)."),
@@ -343,8 +349,9 @@ def _serve(
     if engine_mode not in ENGINE_MODES:
         _fail(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {engine_mode!r}")
     try:
-        engine = _cluster_engine(config, replicas, min_replicas, max_replicas, target_ongoing, routing, imbalance,
-                                 address, log_format) if cluster else make_engine(config, engine_mode)
+        engine = _cluster_engine(config, replicas, min_replicas, max_replicas, target_ongoing, scale_down_delay,
+                                 routing, imbalance, address, log_format) if cluster else make_engine(config,
+                                                                                                       engine_mode)
     except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
     if engine.tokenizer is None:

@@ -47,6 +47,7 @@ class ClusterOptions:
     min_replicas: int = 1
     max_replicas: int = 4
     target_ongoing: float = 8.0  # autoscaling target: requests in flight per replica
+    scale_down_delay_s: float = 30.0  # autoscaling: load must stay low this long before a replica goes
     routing: str = "affinity"
     imbalance: int = 4  # the load guard: requests a preferred replica may be above the least busy
     address: str | None = None  # an existing Ray cluster; None starts a local one
@@ -121,7 +122,8 @@ class ClusterEngine(EngineFront):
         if o.replicas is None:
             scaling = {"autoscaling_config": {"min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
                                               "target_ongoing_requests": o.target_ongoing,
-                                              "upscale_delay_s": 5.0, "downscale_delay_s": 30.0}}
+                                              "look_back_period_s": 10.0, "upscale_delay_s": 5.0,
+                                              "downscale_delay_s": o.scale_down_delay_s}}
             what = f"{o.min_replicas} to {o.max_replicas} replicas (autoscaling)"
         else:
             scaling = {"num_replicas": o.replicas}
