@@ -443,3 +443,33 @@ def test_the_torch_draw_is_the_native_draw(monkeypatch):
     assert len(set(fallback.tolist())) > 50  # really spread over the vocabulary
     if native is not None:
         assert (native == fallback).float().mean() >= 0.99
+
+
+def test_top_p_over_a_large_vocabulary_sorts_only_where_the_nucleus_needs_it():
+    """Qwen's 151,936 tokens: the candidates decide a peaked row; a flat one (its nucleus
+    past the candidates) is sorted whole; both equal the reference, alone or batched."""
+    from tokenmill.engine.sampler import TOP_P_CANDIDATES, _apply_top_p
+
+    rng = np.random.default_rng(7)
+    big = 151_936
+    peaked = rng.normal(0, 1, big).astype(np.float32)
+    peaked[rng.choice(big, 40, replace=False)] += 14.0  # most of the mass in a few dozen tokens
+    flat = rng.normal(0, 1, big).astype(np.float32)
+    flat[rng.choice(big, 3000, replace=False)] += 10.0  # a nucleus of a thousand-odd tokens
+    rows = np.stack([peaked, flat, peaked * 0.7])
+    tops, want = [], []
+    for row, size in zip(rows, (20, 1200, 35)):  # top_p halfway through the size-th token's mass:
+        q = np.exp(row.astype(np.float64) - row.max())  # well inside, however tiny the tail
+        q /= q.sum()
+        order = np.argsort(-q)
+        cum = np.cumsum(q[order])
+        tops.append(float((cum[size - 2] + cum[size - 1]) / 2))
+        want.append(set(order[:size].tolist()))
+    assert len(want[0]) < TOP_P_CANDIDATES < len(want[1])  # both paths are exercised
+    together = _apply_top_p(torch.from_numpy(rows), torch.tensor(tops))
+    for i in range(3):
+        alone = _apply_top_p(torch.from_numpy(rows[i:i + 1]), torch.tensor(tops[i:i + 1]))
+        assert torch.equal(alone[0], together[i])  # the batch does not change a row
+        assert set(torch.isfinite(together[i]).nonzero().squeeze(1).tolist()) == want[i]
+        kept = torch.isfinite(together[i])
+        assert torch.equal(together[i][kept], torch.from_numpy(rows[i])[kept])  # kept logits are untouched

@@ -180,20 +180,48 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Te
         thresh = torch.where((k > 0).unsqueeze(1), thresh, neg_inf)
         logits = torch.where(logits < thresh, neg_inf, logits)
     if b.top_p is not None:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        cum = probs.cumsum(-1)
-        # drop a token when the mass before it already reaches top_p (the top one always stays);
-        # never in rows with top_p = 1, where the rounded sum reaches 1 before the tail does
-        drop = ((cum - probs) >= b.top_p.unsqueeze(1)) & (b.top_p < 1.0).unsqueeze(1)
-        drop[:, 0] = False  # the most likely token stays, even for a top_p that is 0 in fp32
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        logits = _apply_top_p(logits, b.top_p)
     if b.min_p is not None:
         probs = logits.softmax(-1)
         thresh = probs.max(-1, keepdim=True).values * b.min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
     return logits
+
+
+TOP_P_CANDIDATES = 512  # tokens sorted first for top-p; the rest only when they hold the nucleus's edge
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's nucleus: its most likely tokens until their mass reaches top_p (a
+    token is dropped when the mass before it already does; the top one always stays;
+    rows with top_p = 1 keep everything). A 151,936-token vocabulary is not sorted every
+    step: each row's TOP_P_CANDIDATES best are, and a row whose nucleus they do not
+    contain (a flat distribution, top_p near 1) is sorted whole. Either way the row's
+    own logits decide, so the result does not depend on the batch."""
+    V = logits.shape[1]
+    active = top_p < 1.0
+    k = min(V, TOP_P_CANDIDATES)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    vals, order = torch.topk(logits, k, dim=-1)  # sorted, best first
+    probs = (vals - lse).exp()
+    before = probs.cumsum(-1) - probs  # the mass of the tokens ahead of each
+    reach = top_p.unsqueeze(1)
+    drop = (before >= reach) & active.unsqueeze(1)
+    drop[:, 0] = False  # the most likely token stays, even for a top_p that is 0 in fp32
+    # the candidates decide a row when the mass of all of them reaches top_p: every token
+    # after them has at least that much ahead of it, so it is dropped
+    inside = (before[:, -1] + probs[:, -1] >= top_p) | ~active
+    out = torch.full_like(logits, float("-inf"))
+    out.scatter_(1, order, vals.masked_fill(drop, float("-inf")))
+    out = torch.where(active.unsqueeze(1), out, logits)
+    rows = (~inside).nonzero().squeeze(1)
+    if len(rows) and k < V:  # (with k == V the candidates were the whole row)
+        sl, so = torch.sort(logits[rows], dim=-1, descending=True)
+        p = (sl - lse[rows]).exp()
+        d = ((p.cumsum(-1) - p) >= reach[rows]) & active[rows].unsqueeze(1)
+        d[:, 0] = False
+        out[rows] = torch.empty_like(sl).scatter_(1, so, sl.masked_fill(d, float("-inf")))
+    return out
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
