@@ -79,7 +79,6 @@ class ClusterEngine(EngineFront):
         self._started_ray = False
         self._pumps: dict[str, asyncio.Task] = {}
         self._replicas: dict[str, dict[str, Any]] = {}  # replica id -> its last report
-        self._seen: set[str] = set()
         self._poller: asyncio.Task | None = None
         self._up = False
 
@@ -213,11 +212,7 @@ class ClusterEngine(EngineFront):
         if not reports and self._replicas:
             return  # no router has reported yet (first requests): keep the last view
         self._replicas = reports
-        self._seen |= set(reports)
-        stats = [EngineStats(**r["stats"]) for r in reports.values()]
-        total = stats_sum(stats)
-        total.engine_restarts = len(self._seen) - len(reports)  # replicas lost (Ray Serve replaces them)
-        self._stats = total
+        self._stats = stats_sum([EngineStats(**r["stats"]) for r in reports.values()])
 
     async def _poll_forever(self) -> None:
         while True:
