@@ -280,6 +280,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3,
                     help="run the workload N times per server and format, interleaved, and report each "
                          "metric's median (this VM shows occasional multi-second stalls)")
+    ap.add_argument("--model", default=None,
+                    help="race on this GGUF (a path or an installed model's name, e.g. qwen2.5-coder-0.5b) "
+                         "instead of the embedded model's formats; prints its table and leaves "
+                         "docs/benchmarks.md alone")
     ap.add_argument("--tokenmill-args", default="", help="extra flags for `tokenmill serve`, e.g. '--dtype bfloat16'")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel jobs for peer builds")
     args = ap.parse_args()
@@ -289,18 +293,29 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown peers: {', '.join(sorted(unknown))}")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    if set(formats) - set(FORMATS):
+    model_file = None
+    if args.model:
+        from tokenmill.model.registry import resolve
+
+        model_file = Path(resolve(args.model))
+        if not model_file.is_file():
+            sys.exit(f"no such model file: {model_file}")
+        formats, args.no_docs = [model_file.name], True
+    elif set(formats) - set(FORMATS):
         sys.exit(f"unknown formats: {', '.join(sorted(set(formats) - set(FORMATS)))}")
 
     w, runs, _ = workload(args.quick, args.seed)
     slot_ctx = max(2 * (w.input_len.mean + w.output_len.mean) + 64, TTFT_PROMPT + 64)
     skipped: dict[str, str] = {}
     peers = None
-    if {"llama-cpp-python", "llama-server"} & set(wanted) or set(formats) != {"Q4_1"}:
+    if {"llama-cpp-python", "llama-server"} & set(wanted) or (model_file is None and set(formats) != {"Q4_1"}):
         peers = ensure_peers(ROOT / ".peers", jobs=args.jobs, want_server=True,
                              want_python="llama-cpp-python" in wanted)
-    files, fmt_skipped = model_files(formats, peers.tool("llama-quantize") if peers else None,
-                                     ROOT / ".peers" / "models")
+    if model_file is not None:
+        files, fmt_skipped = {model_file.name: model_file}, {}
+    else:
+        files, fmt_skipped = model_files(formats, peers.tool("llama-quantize") if peers else None,
+                                         ROOT / ".peers" / "models")
     skipped.update({f"{fmt} file": why for fmt, why in fmt_skipped.items()})
     if not files:
         sys.exit("no model file to race on")
@@ -381,7 +396,8 @@ def main() -> None:
                 sysinfo = system_info(Path(reps[0]["meta"]["server"]["log"]))
         metrics = {name: median_metrics(r) for name, r in fmt_rep.items()}
         all_metrics[fmt], per_rep[fmt] = metrics, fmt_rep
-        origin = "the embedded file" if fmt == "Q4_1" else "made from the embedded Q4_1 by llama-quantize"
+        origin = ("the file given" if model_file is not None else "the embedded file" if fmt == "Q4_1"
+                  else "made from the embedded Q4_1 by llama-quantize")
         quant = engine.get(fmt, {}).get("tokenmill", {}).get("quantization")
         sections.append((f"{fmt} ({origin}" + (f"; tokenmill runs it as {quant}" if quant else "") + ")",
                          ratio_table(metrics)))
