@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,6 @@ class ClusterOptions:
     stats_period_s: float = 0.5
     drain_s: float = 30.0  # scale-down and shutdown: in-flight requests finish first
     log_format: str = "text"
-    env: dict[str, str] = field(default_factory=dict)  # extra environment for the replicas
 
 
 def stats_sum(reports: list[EngineStats]) -> EngineStats:
@@ -109,7 +108,7 @@ class ClusterEngine(EngineFront):
 
         o = self.options
         root = str(Path(__file__).resolve().parents[2])  # replicas import the tokenmill this process runs
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p), **o.env}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         if not ray.is_initialized():
             where = f"joining the Ray cluster at {o.address}" if o.address else "starting a local Ray cluster"
             say(f"cluster: {where}")
