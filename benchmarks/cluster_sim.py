@@ -73,8 +73,6 @@ class Replica:
     running: list = field(default_factory=list)
     busy_until: float = 0.0
     stepping: bool = False
-    hits: int = 0
-    queries: int = 0
 
     def lookup(self, req: Req) -> int:
         chain = prefix_chain(req.ids, BLOCK, req.tenant, 1 << 30)
@@ -122,8 +120,6 @@ def simulate(reqs: list[Req], replicas: int, policy: str, step: StepTime, max_nu
         while rep.waiting and len(rep.running) < max_num_seqs:  # admit: look up its cache now
             r = rep.waiting.popleft()
             r.cached = rep.lookup(r)
-            rep.hits += r.cached
-            rep.queries += len(r.ids)
             r.to_prefill = len(r.ids) - r.cached
             rep.running.append(r)
         if not rep.running:

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.test_cluster import ray_processes
+from tests.cluster.conftest import ray_processes
 from tests.server.conftest import MODEL, ServerProcess, metric
 
 pytest.importorskip("ray")

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests.cluster.conftest import ray_processes
 from tests.server.conftest import MODEL, ServerProcess, add_key
 
 pytest.importorskip("ray")
@@ -41,18 +42,6 @@ def cluster(keys):
     while ray_processes() and time.monotonic() < deadline:  # its Ray cluster goes with it
         time.sleep(1)
     assert not ray_processes()
-
-
-def ray_processes() -> list[str]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "raylet" in cmd or "gcs_server" in cmd or cmd.startswith("ray::"):
-            out.append(cmd[:120])
-    return out
 
 
 def stats(cluster, keys) -> dict:

@@ -205,11 +205,12 @@ class ClusterEngine(EngineFront):
     def _poll(self) -> None:
         from tokenmill.cluster.ray_router import LIVE
 
+        routers = list(LIVE)
+        if not routers:
+            return  # Ray builds the handle's router at its first call
         reports: dict[str, dict[str, Any]] = {}
-        for router in list(LIVE):
+        for router in routers:
             reports.update(router.replica_reports())
-        if not reports and self._replicas:
-            return  # no router has reported yet (first requests): keep the last view
         self._replicas = reports
         self._stats = stats_sum([EngineStats(**r["stats"]) for r in reports.values()])
 

@@ -21,16 +21,12 @@ from tokenmill.engine.api import EngineConfig, RequestOutput, make_engine
 
 class EngineReplica:
     async def __init__(self, config: EngineConfig, log_format: str = "text") -> None:
-        from ray import serve
-
         from tokenmill.logs import configure_logging
 
         configure_logging("info", log_format)
-        self.replica = serve.get_replica_context().replica_id.unique_id
         self.engine = make_engine(config, "thread")
         await self.engine.start()
-        self.requests = 0
-        self.started = time.time()
+        self.requests = 0  # routed here: the ingress shows it per replica
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[RequestOutput]:
         """Outputs of one request. Times are sent as ages, since the ingress's monotonic

@@ -17,6 +17,17 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 _TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+# per-replica gauges behind `tokenmill cluster serve`: (metric name, EngineStats field, help)
+_REPLICA_GAUGES = (
+    ("num_requests_running", "num_running", "Requests running on the replica."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting on the replica."),
+    ("kv_blocks_used", "kv_blocks_used", "KV cache blocks held on the replica."),
+    ("prefix_cache_queries_tokens", "prefix_queries", "Prompt tokens looked up in its cache."),
+    ("prefix_cache_hits_tokens", "prefix_hits", "Prompt tokens found in its cache."),
+    ("generation_tokens", "generation_tokens", "Output tokens it generated."),
+)
+
+
 class _EngineCollector:
     def __init__(self, stats: Callable[[], EngineStats], replicas: Callable[[], dict] | None = None,
                  decisions: Callable[[], dict[str, int]] | None = None):
@@ -28,21 +39,13 @@ class _EngineCollector:
         """Behind `tokenmill cluster serve`: each replica's own engine figures, labelled."""
         reports = self._replicas()
         yield GaugeMetricFamily("tokenmill_replicas", "Engine replicas reporting.", value=len(reports))
-        families = {name: GaugeMetricFamily(f"tokenmill_replica_{name}", doc, labels=["replica"])
-                    for name, doc in (("num_requests_running", "Requests running on the replica."),
-                                      ("num_requests_waiting", "Requests waiting on the replica."),
-                                      ("kv_blocks_used", "KV cache blocks held on the replica."),
-                                      ("prefix_cache_queries_tokens", "Prompt tokens looked up in its cache."),
-                                      ("prefix_cache_hits_tokens", "Prompt tokens found in its cache."),
-                                      ("generation_tokens", "Output tokens it generated."))}
+        families = {key: GaugeMetricFamily(f"tokenmill_replica_{name}", doc, labels=["replica"])
+                    for name, key, doc in _REPLICA_GAUGES}
         routed = CounterMetricFamily("tokenmill_replica_requests", "Requests routed to the replica.",
                                      labels=["replica"])
         for rid, r in reports.items():
-            s = r["stats"]
-            for name, key in (("num_requests_running", "num_running"), ("num_requests_waiting", "num_waiting"),
-                              ("kv_blocks_used", "kv_blocks_used"), ("prefix_cache_queries_tokens", "prefix_queries"),
-                              ("prefix_cache_hits_tokens", "prefix_hits"), ("generation_tokens", "generation_tokens")):
-                families[name].add_metric([rid], s[key])
+            for key, family in families.items():
+                family.add_metric([rid], r["stats"][key])
             routed.add_metric([rid], r["requests"])
         yield from families.values()
         yield routed
