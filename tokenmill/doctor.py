@@ -1,8 +1,8 @@
 """`tokenmill doctor`: what this machine runs on, and its native kernels built.
 
 Reports torch, the compiler, the CPU features the kernels use, the kernel cache (key and
-directory), which paths are active (native kernels, AVX-512 VNNI int8 kernels) and the
-embedded model's path; builds the kernels if they are missing (with progress) unless
+directory), which paths are active (native kernels, the int8-activation kernels on
+AVX-512 VNNI or AVX2) and the embedded model's path; builds the kernels if they are missing (with progress) unless
 asked only to report. `make install` runs it so a fresh machine builds up front.
 """
 
@@ -54,10 +54,10 @@ def _vnni(ops: Any | None, features: frozenset[str]) -> str:
     if ops is None:
         return "no: no native kernels"
     if ops.quant_gemv_vnni():
-        return "yes"
-    if "avx512_vnni" not in features:
-        return "no: the CPU has no AVX-512 VNNI (int8 layers use torch's kernels)"
-    return "no: the kernels were built without AVX-512 VNNI"
+        return "yes (AVX-512 VNNI)" if "avx512_vnni" in features else "yes (AVX2)"
+    if "avx2" not in features:
+        return "no: the CPU has neither AVX-512 VNNI nor AVX2 (int8 layers use torch's kernels)"
+    return "no: the kernels were built without AVX-512 VNNI or AVX2"
 
 
 def _model_path() -> str:

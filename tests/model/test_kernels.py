@@ -100,7 +100,7 @@ def _quantized_activations(x):
 def test_int4_kernel_matches_its_definition(rows):
     lin = Int4Linear(torch.randn(96, 320, generator=_gen(0)) * 0.05)
     if lin._vnni is None:
-        pytest.skip("no AVX-512 VNNI: torch's packed kernel runs instead")
+        pytest.skip("no AVX-512 VNNI or AVX2: torch's packed kernel runs instead")
     x = torch.randn(rows, 320, generator=_gen(rows)).to(torch.bfloat16)
     xa, sums = _quantized_activations(x)
     # w = q * d + m: the q*d part meets the rounded activations, m the exact group sums
@@ -117,7 +117,7 @@ def test_int4_kernel_matches_its_definition(rows):
 def test_int8_kernel_matches_its_definition(rows):
     lin = Int8Linear(torch.randn(48, 256, generator=_gen(0)), float_out=True)
     if lin._vnni is None:
-        pytest.skip("no AVX-512 VNNI")
+        pytest.skip("no AVX-512 VNNI or AVX2")
     x = torch.randn(rows, 256, generator=_gen(rows)).to(torch.bfloat16)
     xa, _ = _quantized_activations(x)
     want = xa @ lin.dequantize().T
@@ -132,7 +132,7 @@ def test_int8_block_head_keeps_q8_0_blocks_and_near_exact_logits(rows):
     second time) and takes its inputs in two int8 levels: logits within 1e-4 of the float
     product, far closer than per-row int8 gets."""
     if ops.quant_gemv_vnni() is False:
-        pytest.skip("no AVX-512 VNNI")
+        pytest.skip("no AVX-512 VNNI or AVX2")
     g = _gen(0)
     n, k = 64, 256
     d = (torch.rand(n, k // GROUP, generator=g) * 0.01 + 1e-3).to(torch.float16)
@@ -160,7 +160,7 @@ def test_int4_precise_mode_is_near_exact_activations():
     w = torch.randn(64, 256, generator=_gen(0)) * 0.05
     one, two = Int4Linear(w), Int4Linear(w, precise=True)
     if one._vnni is None:
-        pytest.skip("no AVX-512 VNNI")
+        pytest.skip("no AVX-512 VNNI or AVX2")
     x = torch.randn(2, 256, generator=_gen(1))
     x[:, 7] = 40.0  # an outlier channel, as a norm's output has
     exact = x @ one.dequantize().T
@@ -176,7 +176,7 @@ def test_int4_kernel_with_zero_and_outlier_groups(precise):
     # two levels to the float activations
     lin = Int4Linear(torch.randn(64, 256, generator=_gen(0)) * 0.05, precise=precise)
     if lin._vnni is None:
-        pytest.skip("no AVX-512 VNNI")
+        pytest.skip("no AVX-512 VNNI or AVX2")
     x = torch.randn(3, 256, generator=_gen(1))
     x[:, :16] = 0.0
     x[1, 40] = 60.0

@@ -8,8 +8,8 @@ Weights are quantized at load time, round-to-nearest:
         GGUF's Q4_1 grid, so a Q4_1 checkpoint's codes are recovered exactly.
 Every row count runs the same kernel, whose output rows are each computed the same way
 whatever the other rows (the row-invariance that makes a request's tokens independent
-of its batch, tests/engine/test_determinism.py): where the CPU has AVX-512 VNNI the
-native kernels of csrc/quant_gemv.cpp, which quantize the activations to int8 per group
+of its batch, tests/engine/test_determinism.py): where the CPU has AVX-512 VNNI (or
+AVX2, the same integer dots in 8-lane halves) the native kernels of csrc/quant_gemv.cpp, which quantize the activations to int8 per group
 of 16 on the fly, as llama.cpp does, and take integer dot products; that keeps up with
 memory (torch's packed kernels, the fallback, unpack to floats and run at half that
 speed). The cost is the activation rounding, measured by benchmarks/quality.py
@@ -33,7 +33,8 @@ QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def _vnni_ops() -> Any | None:
-    """The native module when its int8-activation kernels use AVX-512 VNNI."""
+    """The native module when its int8-activation kernels were built (AVX-512 VNNI or AVX2;
+    "vnni" names them after the first)."""
     ops = native_ops()
     return ops if ops is not None and ops.quant_gemv_vnni() else None
 
@@ -168,7 +169,7 @@ class Int8BlockLinear(_Quantized):
             raise ValueError(f"int8 blocks need in_features in {GROUP}s and out_features in {TILE}s, got {k}, {n}")
         self._vnni = _vnni_ops()
         if self._vnni is None:
-            raise RuntimeError("Int8BlockLinear needs the AVX-512 VNNI kernels")
+            raise RuntimeError("Int8BlockLinear needs the int8-activation kernels (AVX-512 VNNI or AVX2)")
         g = w.view(n, k // GROUP, GROUP)
         self.d = (g.abs().amax(dim=-1) / 127.0).to(torch.float16)
         d = self.d.float()[..., None]

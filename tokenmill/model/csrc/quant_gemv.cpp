@@ -28,7 +28,7 @@ namespace {
 
 using namespace tm_quant;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if TM_QUANT_TILES
 // x [M, K] against all tiles of w (tile_bytes each); returns [M, N] in out_dtype.
 template <int Kind, typename In, typename Out>
 void run_tiles(const In* x, const uint8_t* w, int64_t tile_bytes, int64_t M, int64_t K, int64_t N, Out* y) {
@@ -57,7 +57,7 @@ torch::Tensor gemv(const torch::Tensor& x_, const torch::Tensor& w, int64_t N, i
 #else
 template <int Kind>
 torch::Tensor gemv(const torch::Tensor&, const torch::Tensor&, int64_t, int64_t, bool) {
-  TORCH_CHECK(false, "the int8-activation kernels need AVX-512 VNNI (check quant_gemv_vnni())");
+  TORCH_CHECK(false, "the int8-activation kernels need AVX-512 VNNI or AVX2 (check quant_gemv_vnni())");
 }
 #endif
 

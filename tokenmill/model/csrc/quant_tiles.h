@@ -110,6 +110,7 @@ const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TM_QUANT_TILES 1
 constexpr bool kVnni = true;
 
 inline __m512i bcast4(const int8_t* p) {
@@ -271,6 +272,193 @@ void tiles_range(const uint8_t* w, int64_t tile_bytes, const QuantX& xq, int64_t
         default: tile_rows<4, Kind>(wt, xq, m0, K, res);
       }
       for (int64_t r = 0; r < R; ++r) tm_simd::store16(y + (m0 + r) * N + t * kTile, res[r]);
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (no AVX-512: AMD Zen 1-3, Intel client parts): the same tiles, layouts and
+// integer dot products, each 16-row tile as two 8-row halves of 32 bytes. vpdpbusd
+// becomes vpmaddubsw (u8 x s8 pairs into int16) then vpmaddwd against ones (int16
+// pairs into int32). The integer dots are exact, so with the float steps in the same
+// order each output equals the AVX-512 kernels' to the bit.
+#define TM_QUANT_TILES 1
+constexpr bool kVnni = true;
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {  // round to nearest even, as c10::BFloat16 does (NaN aside)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  // 8 int32 (each < 2^16) -> 8 uint16: pack within lanes, then gather the two lanes' halves
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// u8 weights x s8 activations, 4 at a time into int32 lanes (vpdpbusd's sum), for sums
+// of pairs under 2^15: int4 codes (15 * 127 * 2), or int8 magnitudes (see dot_s8).
+inline __m256i dot_u8(__m256i w, __m256i x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); }
+// s8 weights x s8 activations: |w| against x carrying w's sign, so no pair exceeds 2^15.
+inline __m256i dot_s8(__m256i w, __m256i x) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+
+// One tile for R rows of x: out[2r + h] holds row r's outputs at tile rows 8h..8h+7.
+template <int R, bool Precise>
+void q4_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256 out[2 * R]) {
+  const int64_t G = K / kGroup;
+  const __m256i lo_mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[2 * R];
+  for (int r = 0; r < 2 * R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * 320;
+    const uint16_t* dmg = reinterpret_cast<const uint16_t*>(wg + 256);
+    for (int h = 0; h < 2; ++h) {
+      // int16 sums over the group's 4 chunks: at most 8 * 15 * 127, no overflow
+      __m256i lo16[R], hi16[R], lo16b[Precise ? R : 1], hi16b[Precise ? R : 1];
+      for (int r = 0; r < R; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
+      if constexpr (Precise)
+        for (int r = 0; r < R; ++r) lo16b[r] = hi16b[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(v, lo_mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+        for (int r = 0; r < R; ++r) {
+          const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
+          lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(lo, bcast4(xq.q.data() + xo)));
+          hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, bcast4(xq.q.data() + xo + 16)));
+          if constexpr (Precise) {
+            lo16b[r] = _mm256_add_epi16(lo16b[r], _mm256_maddubs_epi16(lo, bcast4(xq.q2.data() + xo)));
+            hi16b[r] = _mm256_add_epi16(hi16b[r], _mm256_maddubs_epi16(hi, bcast4(xq.q2.data() + xo + 16)));
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dmg + 8 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dmg + 16 + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t gi = (xrow + r) * G + g;
+        const float* dx = xq.d.data() + 2 * gi;
+        const __m256 lo_dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo16[r], ones));
+        const __m256 hi_dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi16[r], ones));
+        __m256 dots = _mm256_fmadd_ps(lo_dot, _mm256_set1_ps(dx[0]), _mm256_mul_ps(hi_dot, _mm256_set1_ps(dx[1])));
+        if constexpr (Precise) {
+          const float* dx2 = xq.d2.data() + 2 * gi;
+          dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo16b[r], ones)), _mm256_set1_ps(dx2[0]), dots);
+          dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi16b[r], ones)), _mm256_set1_ps(dx2[1]), dots);
+        }
+        __m256& a = acc[2 * r + h];
+        a = _mm256_fmadd_ps(dots, d, a);
+        a = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.sum[gi]), a);
+      }
+    }
+  }
+  for (int r = 0; r < 2 * R; ++r) out[r] = acc[r];
+}
+
+// q + 128 bytes back to the signed codes q
+inline __m256i codes_s8(const uint8_t* p) {
+  return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(-128));
+}
+
+template <int R>
+void q8_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256 out[2 * R]) {
+  const int64_t G = K / kGroup;
+  __m256 acc[2 * R];
+  for (int r = 0; r < 2 * R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + 64 + g * 512;
+    for (int h = 0; h < 2; ++h) {
+      // (signed codes: no 128 * sum(xq) to take off, the same int32 dots)
+      __m256i lo_dot[R], hi_dot[R];
+      for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = codes_s8(wg + c * 64 + h * 32);
+        const __m256i u = codes_s8(wg + (c + 4) * 64 + h * 32);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xg = xq.q.data() + (xrow + r) * K + g * kGroup;
+          lo_dot[r] = _mm256_add_epi32(lo_dot[r], dot_s8(v, bcast4(xg + 4 * c)));
+          hi_dot[r] = _mm256_add_epi32(hi_dot[r], dot_s8(u, bcast4(xg + 16 + 4 * c)));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* dx = xq.d.data() + 2 * ((xrow + r) * G + g);
+        __m256& a = acc[2 * r + h];
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot[r]), _mm256_set1_ps(dx[0]), a);
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot[r]), _mm256_set1_ps(dx[1]), a);
+      }
+    }
+  }
+  const float* s = reinterpret_cast<const float*>(w);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) out[2 * r + h] = _mm256_mul_ps(acc[2 * r + h], load8(s + 8 * h));
+}
+
+template <int R>
+void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256 out[2 * R]) {
+  const int64_t G = K / kGroup;
+  __m256 acc[2 * R];
+  for (int r = 0; r < 2 * R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * 544;
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo_dot[R], hi_dot[R], lo_dot2[R], hi_dot2[R];
+      for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = lo_dot2[r] = hi_dot2[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = codes_s8(wg + c * 64 + h * 32);
+        const __m256i u = codes_s8(wg + (c + 4) * 64 + h * 32);
+        const __m256i av = _mm256_sign_epi8(v, v), au = _mm256_sign_epi8(u, u);
+        for (int r = 0; r < R; ++r) {
+          const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
+          lo_dot[r] = _mm256_add_epi32(lo_dot[r], dot_u8(av, _mm256_sign_epi8(bcast4(xq.q.data() + xo), v)));
+          hi_dot[r] = _mm256_add_epi32(hi_dot[r], dot_u8(au, _mm256_sign_epi8(bcast4(xq.q.data() + xo + 16), u)));
+          lo_dot2[r] = _mm256_add_epi32(lo_dot2[r], dot_u8(av, _mm256_sign_epi8(bcast4(xq.q2.data() + xo), v)));
+          hi_dot2[r] = _mm256_add_epi32(hi_dot2[r], dot_u8(au, _mm256_sign_epi8(bcast4(xq.q2.data() + xo + 16), u)));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 512 + 16 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t hg = 2 * ((xrow + r) * G + g);
+        const float* dx = xq.d.data() + hg;
+        const float* dx2 = xq.d2.data() + hg;
+        __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(lo_dot[r]), _mm256_set1_ps(dx[0]));
+        dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot[r]), _mm256_set1_ps(dx[1]), dots);
+        dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot2[r]), _mm256_set1_ps(dx2[0]), dots);
+        dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot2[r]), _mm256_set1_ps(dx2[1]), dots);
+        __m256& a = acc[2 * r + h];
+        a = _mm256_fmadd_ps(dots, d, a);
+      }
+    }
+  }
+  for (int r = 0; r < 2 * R; ++r) out[r] = acc[r];
+}
+
+template <int R, int Kind>
+void tile_rows(const uint8_t* w, const QuantX& xq, int64_t m0, int64_t K, __m256* out) {
+  if constexpr (Kind == 0) q8_tile<R>(w, xq, m0, K, out);
+  else if constexpr (Kind == 3) q8b_tile<R>(w, xq, m0, K, out);
+  else q4_tile<R, Kind == 2>(w, xq, m0, K, out);
+}
+
+template <int Kind, typename Out>
+void tiles_range(const uint8_t* w, int64_t tile_bytes, const QuantX& xq, int64_t M, int64_t K, int64_t N,
+                 int64_t t0, int64_t t1, Out* y) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * tile_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      __m256 res[8];
+      const int64_t R = std::min<int64_t>(4, M - m0);
+      switch (R) {
+        case 1: tile_rows<1, Kind>(wt, xq, m0, K, res); break;
+        case 2: tile_rows<2, Kind>(wt, xq, m0, K, res); break;
+        case 3: tile_rows<3, Kind>(wt, xq, m0, K, res); break;
+        default: tile_rows<4, Kind>(wt, xq, m0, K, res);
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) store8(y + (m0 + r) * N + t * kTile + 8 * h, res[2 * r + h]);
     }
   }
 }
