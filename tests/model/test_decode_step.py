@@ -48,7 +48,7 @@ class _Counting:
 def test_fused_decode_step_equals_separate_ops(which, request):
     """int4 layers, and int8 ones (Q8_0 block tiles), run fused as they run op by op."""
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
     smol_int4 = request.getfixturevalue(which)
     model = smol_int4.model
     tok = smol_int4.tokenizer
@@ -91,14 +91,19 @@ def test_fused_decode_step_equals_separate_ops(which, request):
 
 def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
     model = smol_int4.model
     cfg = model.cfg
     layer = model.layers[0]
     mats = [layer.qkv.tiles, layer.o_proj.tiles, layer.gate_up.tiles, layer.down.tiles]
     norms = [layer.input_norm, layer.post_norm, model.norm]
+    no_bias = [torch.empty(0, dtype=torch.bfloat16)] * 4
     args = (model.cos32, model.sin32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
-    dm = ops.DecodeModel(mats, [2, 1, 1, 2], norms, *args)  # one layer builds
+    dm = ops.DecodeModel(mats, [2, 1, 1, 2], norms, *args, no_bias)  # one layer builds
+    with pytest.raises(RuntimeError, match="a bias .* for each matmul"):
+        ops.DecodeModel(mats, [2, 1, 1, 2], norms, *args, no_bias[:3])
+    with pytest.raises(RuntimeError, match=r"bias 0: contiguous bfloat16 \[N\]"):
+        ops.DecodeModel(mats, [2, 1, 1, 2], norms, *args, [torch.zeros(7, dtype=torch.bfloat16)] + no_bias[1:])
     k = torch.zeros(cfg.num_kv_heads, 64, cfg.head_dim, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="bfloat16 or int8, the same slots"):
         dm.bind_cache([k], [k.float()], [], [])
@@ -108,9 +113,9 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
         scales = torch.zeros(cfg.num_kv_heads, 32)
         dm.bind_cache([k.to(torch.int8)], [k.to(torch.int8)], [scales], [scales])
     with pytest.raises(RuntimeError, match="2 norms a layer"):
-        ops.DecodeModel(mats, [1] * 4, norms[:2], *args)
+        ops.DecodeModel(mats, [1] * 4, norms[:2], *args, no_bias)
     with pytest.raises(RuntimeError, match="do not chain"):
-        ops.DecodeModel([mats[1], mats[0], mats[2], mats[3]], [1] * 4, norms, *args)
+        ops.DecodeModel([mats[1], mats[0], mats[2], mats[3]], [1] * 4, norms, *args, no_bias)
     with pytest.raises(RuntimeError, match="bind_cache first"):
         dm.forward(torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64),
                    torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
@@ -143,7 +148,7 @@ def _fused_on_new_cache(loaded):
 
 def test_fused_logits_equal_forward_then_output_projection(smol_int4):
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
     model = smol_int4.model
     cfg = model.cfg
     fused = _fused_on_new_cache(smol_int4)
@@ -181,7 +186,7 @@ def test_decode_steps_sampled_equal_forward_logits_and_sample_rows(smol_int4):
     """Sampled rows of a burst draw as the engine's sampler (sample_rows) would step by
     step, with the uniform of (seed, index + step); a greedy row beside them is the argmax."""
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
     fused = _fused_on_new_cache(smol_int4)
     lens = torch.tensor([3, 7, 2])
     tables = torch.tensor([[0, 3], [1, 4], [2, 5]])
@@ -229,7 +234,7 @@ def test_sample_rows_follows_the_distribution():
 
 def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
     cfg = smol_int4.model.cfg
     fused = _fused_on_new_cache(smol_int4)
     # three sequences of 1, 5 and 14 tokens (the cache as the warm-up left it); the third
@@ -269,7 +274,7 @@ def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
 
 def test_fused_argmax_is_the_first_maximum_nan_largest():
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randn(24576, generator=gen) for _ in range(4)]
     tie = torch.randn(64, generator=gen)
@@ -309,3 +314,44 @@ def test_hugepage_zeros_and_packing():
     assert all(e0 <= s1 for (_, e0), (s1, _) in zip(ends, ends[1:]))  # no overlap
     packed[0].fill_(0)
     assert torch.equal(packed[1], parts[1])  # writes stay in their own tensor
+
+
+def test_fused_decode_step_with_qkv_bias_equals_separate_ops(tmp_path):
+    """A Qwen2 checkpoint (biases on q, k, v) runs fused too, bias added as the separate
+    ops add it: the same tokens and logprobs either way."""
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
+    transformers = pytest.importorskip("transformers")
+    from tokenmill.model.loader import load_model
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=256, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                                   max_position_embeddings=256, rms_norm_eps=1e-6)
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(str(tmp_path), "bfloat16", "int4")
+    model = loaded.model
+    assert model.layers[0].qkv.bias is not None
+    prompts = {"a": [5, 17, 200, 3], "b": list(range(40, 80)), "c": [300, 1]}
+    results = {}
+    for fused in (True, False):
+        model.fused_decode = fused
+        engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
+        tokens, logprobs = {}, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+        results[fused] = (tokens, logprobs)
+        if fused:
+            assert model._fused, "the biased model did not take the fused step"
+    model.fused_decode = True
+    assert results[True] == results[False]
+    assert all(len(t) == 12 for t in results[True][0].values())

@@ -18,6 +18,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.quant import Int4Linear, Int8BlockLinear
 
 FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
+_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)  # the fused step's "no bias" for a matmul
 
 
 class DenseLinear:
@@ -186,25 +187,27 @@ class LlamaModel:
 
     def _fused_step(self, ops, meta: AttentionMetadata, rows: int, kv_cache) -> bool:
         """Whether this step can run as one native call (csrc/decode_step.cpp): single-token
-        decodes only, bf16 with every layer matmul int4 on the VNNI kernels, and under
-        FUSED_DECODE_ROWS rows. Builds the native model on first use, binds the cache when
-        it changes."""
-        if not (self.fused_decode and meta.num_decodes == rows and ops.decode_attention_available()):
+        decodes only, bf16 with every layer matmul on the int8-activation kernels (AVX-512
+        VNNI or AVX2), and under FUSED_DECODE_ROWS rows. Builds the native model on first
+        use, binds the cache when it changes."""
+        if not (self.fused_decode and meta.num_decodes == rows and hasattr(ops, "decode_step_available")
+                and ops.decode_step_available()):
             return False
         if self._fused is None:
             self._fused, self._fused_cache = False, None
             lins = list(self.layer_linears())
-            usable = (self.dtype == torch.bfloat16 and hasattr(ops, "decode_step_available")
-                      and ops.decode_step_available()
+            usable = (self.dtype == torch.bfloat16
                       and all(isinstance(lin, (Int4Linear, Int8BlockLinear)) and lin._vnni is not None
-                              and lin.bias is None
+                              and (lin.bias is None or lin.bias.dtype == torch.bfloat16)
                               for lin in lins))
             if usable:
                 cfg = self.cfg
                 norms = [w for layer in self.layers for w in (layer.input_norm, layer.post_norm)] + [self.norm]
                 self._fused = ops.DecodeModel([lin.tiles for lin in lins], [lin.tile_kind for lin in lins], norms,
                                               self.cos32, self.sin32, cfg.num_heads, cfg.num_kv_heads,
-                                              cfg.head_dim, cfg.rms_norm_eps, self.scale)
+                                              cfg.head_dim, cfg.rms_norm_eps, self.scale,
+                                              [lin.bias.contiguous() if lin.bias is not None else _NO_BIAS
+                                               for lin in lins])
                 # (the separate ops run the same kernels: the same numbers at any row count)
                 self._fused_rows = FUSED_DECODE_ROWS
                 head = self.lm_head

@@ -16,6 +16,35 @@
 #include <vector>
 
 #include "simd.h"
+
+namespace tm_decode {
+
+// A new token's key or value row into the cache: a copy, or (int8 cache) symmetric int8
+// with one float scale per row. The rounding is the one tokenmill.model.attention's
+// quantize_kv does (amax times the float 1/127, then a real division for the inverse),
+// so a token quantizes to the same bytes whichever path writes it.
+constexpr float kInv127 = 1.0f / 127.0f;
+
+template <typename T, int D>
+inline void store_row(const T* src, T* dst, float*) { std::copy(src, src + D, dst); }
+
+template <typename T, int D>
+inline void store_row(const T* src, int8_t* dst, float* scale) {
+  float amax = 0.f;
+  for (int e = 0; e < D; ++e) amax = std::max(amax, std::fabs(static_cast<float>(src[e])));
+  float d = amax * kInv127;
+  // -ffast-math would fold 1 / (amax / 127) into 127 / amax, which rounds differently
+  // (x * inv at 63.499996 became 64, not torch's 63): the barriers keep the steps apart.
+  __asm__("" : "+x"(d));
+  float inv = d > 0.f ? 1.f / d : 0.f;
+  __asm__("" : "+x"(inv));
+  for (int e = 0; e < D; ++e)
+    dst[e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(src[e]) * inv))));
+  *scale = d;
+}
+
+}  // namespace tm_decode
+
 #if defined(__AVX512F__)
 
 namespace tm_decode {
@@ -48,30 +77,6 @@ inline void prefetch_row(const T* r) {
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
-
-// A new token's key or value row into the cache: a copy, or (int8 cache) symmetric int8
-// with one float scale per row. The rounding is the one tokenmill.model.attention's
-// quantize_kv does (amax times the float 1/127, then a real division for the inverse),
-// so a token quantizes to the same bytes whichever path writes it.
-constexpr float kInv127 = 1.0f / 127.0f;
-
-template <typename T, int D>
-inline void store_row(const T* src, T* dst, float*) { std::copy(src, src + D, dst); }
-
-template <typename T, int D>
-inline void store_row(const T* src, int8_t* dst, float* scale) {
-  float amax = 0.f;
-  for (int e = 0; e < D; ++e) amax = std::max(amax, std::fabs(static_cast<float>(src[e])));
-  float d = amax * kInv127;
-  // -ffast-math would fold 1 / (amax / 127) into 127 / amax, which rounds differently
-  // (x * inv at 63.499996 became 64, not torch's 63): the barriers keep the steps apart.
-  __asm__("" : "+x"(d));
-  float inv = d > 0.f ? 1.f / d : 0.f;
-  __asm__("" : "+x"(inv));
-  for (int e = 0; e < D; ++e)
-    dst[e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(src[e]) * inv))));
-  *scale = d;
 }
 
 // 16 int8 cache entries widened to float.

@@ -20,11 +20,20 @@
 
 #include "decode_attention.h"
 #include "quant_tiles.h"
+#include "row_attention.h"
 #include "rows.h"
 #include "sampling.h"
 
+// Two builds of the step. With AVX-512 (VNNI, BF16) attention runs decode_attention.h's
+// chunked kernels, as the separate decode_attention op does; with AVX2 only, each (row,
+// kv head) runs row_attention.h's loop, as the separate paged_attention op does there.
+// Either way the step matches the separate ops that machine would run.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #define TM_FUSED_DECODE 1
+#define TM_FUSED_CHUNKED_ATTENTION 1
+#elif TM_QUANT_TILES
+#define TM_FUSED_DECODE 1
+#define TM_FUSED_CHUNKED_ATTENTION 0
 #endif
 
 namespace {
@@ -77,12 +86,47 @@ inline int64_t first_max(const float* row, int64_t c0, int64_t c1) {
   const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
   return _mm512_mask_reduce_min_epi32(top, best_at);
 }
+#elif defined(__AVX2__)
+// first_max in 8 lanes (c1 - c0 a positive multiple of 16).
+inline int64_t first_max(const float* row, int64_t c0, int64_t c1) {
+  const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF), inf_bits = _mm256_set1_epi32(0x7F800000);
+  const __m256i eight = _mm256_set1_epi32(8);
+  __m256 best = _mm256_loadu_ps(row + c0);
+  __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(c0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i best_at = at;
+  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(best), abs_bits), inf_bits);
+  for (int64_t c = c0 + 8; c < c1; c += 8) {
+    const __m256 v = _mm256_loadu_ps(row + c);
+    at = _mm256_add_epi32(at, eight);
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, gt);
+    best_at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_at), _mm256_castsi256_ps(at), gt));
+    nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_bits), inf_bits));
+  }
+  if (!_mm256_testz_si256(nan, nan)) {
+    int64_t bi = c0;
+    for (int64_t c = c0 + 1; c < c1; ++c)
+      if (later_wins(row[c], row[bi])) bi = c;
+    return bi;
+  }
+  alignas(32) float vals[8];
+  alignas(32) int32_t idx[8];
+  _mm256_store_ps(vals, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(idx), best_at);
+  float top = vals[0];
+  for (int i = 1; i < 8; ++i) top = vals[i] > top ? vals[i] : top;
+  int64_t bi = c1;
+  for (int i = 0; i < 8; ++i)
+    if (vals[i] == top && idx[i] < bi) bi = idx[i];
+  return bi;
+}
 #endif
 
 struct Mat {
   torch::Tensor tiles;
   int64_t n = 0, k = 0, tile_bytes = 0;
   int64_t kind = 1;  // tm_quant's tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks (precise)
+  torch::Tensor bias;  // bfloat16 [n], or undefined for none
 };
 
 }  // namespace
@@ -91,16 +135,21 @@ class DecodeModel {
  public:
   // mats: per layer qkv, o, gate_up, down (tiles, see quant_gemv.cpp); kinds: the same
   // order, 1 int4, 2 int4 with precise activations, 3 int8 blocks; norms: per layer input
-  // and post-attention norms, then the final norm; cos, sin [max_pos, head_dim / 2] float32.
+  // and post-attention norms, then the final norm; cos, sin [max_pos, head_dim / 2] float32;
+  // biases: the same order as mats, bfloat16 [N] or empty for none (Qwen2's qkv has one),
+  // added to the matmul's bf16 output and rounded, as the separate ops do.
   DecodeModel(std::vector<torch::Tensor> mats, std::vector<int64_t> kinds, std::vector<torch::Tensor> norms,
               torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t Hkv, int64_t head_dim, double eps,
-              double scale)
+              double scale, std::vector<torch::Tensor> biases)
       : cos_(cos.contiguous()), sin_(sin.contiguous()), H_(H), Hkv_(Hkv), D_(head_dim), eps_(eps), scale_(scale) {
     TORCH_CHECK(mats.size() % 4 == 0 && !mats.empty() && kinds.size() == mats.size(), "4 matmuls a layer");
+    TORCH_CHECK(biases.size() == mats.size(), "a bias (or an empty tensor) for each matmul");
     L_ = static_cast<int64_t>(mats.size() / 4);
     TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L_ + 1), "2 norms a layer and a final one");
-#if defined(__AVX512F__)  // (without it the step is unavailable and tm_decode is not built)
+#if TM_FUSED_CHUNKED_ATTENTION
     TORCH_CHECK(H % Hkv == 0 && H / Hkv <= tm_decode::kMaxGroup, "query heads per kv head");
+#else
+    TORCH_CHECK(H % Hkv == 0, "query heads per kv head");
 #endif
     TORCH_CHECK(cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat && cos_.dim() == 2 &&
                     cos_.size(1) == head_dim / 2 && sin_.sizes() == cos_.sizes(),
@@ -111,7 +160,12 @@ class DecodeModel {
       TORCH_CHECK(kind >= 1 && kind <= 3, "tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks");
       TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() && t.size(1) % group_bytes == 0,
                   "tiles [N/16, K/32 * ", group_bytes, "]");
-      mats_.push_back({t, t.size(0) * 16, t.size(1) / group_bytes * 32, t.size(1), kind});
+      mats_.push_back({t, t.size(0) * 16, t.size(1) / group_bytes * 32, t.size(1), kind, torch::Tensor()});
+      if (biases[i].numel() > 0) {
+        TORCH_CHECK(biases[i].scalar_type() == at::kBFloat16 && biases[i].dim() == 1 && biases[i].is_contiguous() &&
+                        biases[i].numel() == mats_.back().n, "bias ", i, ": contiguous bfloat16 [N]");
+        mats_.back().bias = biases[i];
+      }
     }
     for (auto& n : norms) {
       TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.is_contiguous(), "bfloat16 norms");
@@ -309,7 +363,7 @@ class DecodeModel {
       default: TORCH_CHECK(false, "head_dim ", D_, " not built");
     }
 #else
-    TORCH_CHECK(false, "the fused decode step needs AVX-512 VNNI and BF16");
+    TORCH_CHECK(false, "the fused decode step needs AVX2 or AVX-512 VNNI and BF16");
 #endif
   }
 
@@ -329,15 +383,19 @@ class DecodeModel {
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     for (int64_t b = 0; b < M; ++b)
       TORCH_CHECK(slots[b] >= 0 && slots[b] < S && lens[b] >= 1 && lens[b] <= mb * bs, "slot or length out of range");
-    std::vector<int64_t> first;
     // this thread's OpenMP team size follows torch's setting, as at::parallel_for's does
     at::internal::lazy_init_num_threads();
     const int64_t threads = at::get_num_threads();
+#if TM_FUSED_CHUNKED_ATTENTION
+    std::vector<int64_t> first;
     const int64_t chunk = tm_decode::plan_units(lens, M, Hkv, bs, first);
     const std::vector<int64_t> bounds = tm_decode::unit_bounds(first, lens, chunk, Hkv, threads);
-    // shared between the threads: each matmul's output, attention's partial results
+    std::vector<float> parts(first[M] * g * (D + 2));  // attention's partial results
+#else
+    std::vector<BF16> attn_rows(M * H * D);  // attention's output
+#endif
+    // shared between the threads: each matmul's output
     std::vector<BF16> qkv(M * nq), o(M * hid), gu(M * 2 * I), dn(M * hid);
-    std::vector<float> parts(first[M] * g * (D + 2));
     // each thread's best logit and its index per row, over the vocabulary slice it computed
     std::vector<float> best_val(threads * M, -std::numeric_limits<float>::infinity());
     std::vector<int64_t> best_idx(threads * M, 0);
@@ -351,12 +409,23 @@ class DecodeModel {
         default: return tm_quant::tiles_range<3>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
       }
     };
+    // columns [c0, c1) of y [M, m.n] plus m's bias, rounded to bf16 as torch's add does
+    auto add_bias = [&](const Mat& m, int64_t c0, int64_t c1, BF16* y) {
+      if (!m.bias.defined()) return;
+      const BF16* bp = m.bias.data_ptr<BF16>();
+      for (int64_t b = 0; b < M; ++b)
+        for (int64_t c = c0; c < c1; ++c)
+          y[b * m.n + c] = static_cast<BF16>(static_cast<float>(y[b * m.n + c]) + static_cast<float>(bp[c]));
+    };
 #pragma omp parallel
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       // each thread's own residual stream and norm output (row-sized work: cheaper done
       // twice than shared through a barrier)
-      std::vector<BF16> hp(h0, h0 + M * hid), xp(M * hid), attn(M * H * D), act(M * I);
+      std::vector<BF16> hp(h0, h0 + M * hid), xp(M * hid), act(M * I);
+#if TM_FUSED_CHUNKED_ATTENTION
+      std::vector<BF16> attn(M * H * D);
+#endif
       const BF16* norm0 = norms_[0].data_ptr<BF16>();
       for (int64_t b = 0; b < M; ++b) tm_rows::rms_row(hp.data() + b * hid, norm0, xp.data() + b * hid, hid, eps);
       for (int64_t l = 0; l < L_; ++l) {
@@ -370,6 +439,7 @@ class DecodeModel {
           const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[0].kind >= 2);
           const auto [h0_, h1_] = share(H + 2 * Hkv, tid, nt);
           mm(w[0], xq, h0_ * D / 16, h1_ * D / 16, qkv.data());
+          add_bias(w[0], h0_ * D, h1_ * D, qkv.data());
           for (int64_t hd = h0_; hd < h1_; ++hd)
             for (int64_t b = 0; b < M; ++b) {
               BF16* v = qkv.data() + b * nq + hd * D;
@@ -384,6 +454,7 @@ class DecodeModel {
             }
         }
 #pragma omp barrier
+#if TM_FUSED_CHUNKED_ATTENTION
         {
           // (the region has the threads it was planned for; any it lacks, the last one covers)
           const int64_t u0 = bounds[std::min<int64_t>(tid, threads)];
@@ -392,12 +463,29 @@ class DecodeModel {
                                            Hkv, g, bs, scale, parts.data());
         }
 #pragma omp barrier
+        for (int64_t b = 0; b < M; ++b)
+          tm_decode::merge_units<BF16, D>(parts.data(), first, b, Hkv, g, attn.data() + b * H * D);
+        const BF16* attn_in = attn.data();
+#else
         {
-          for (int64_t b = 0; b < M; ++b)
-            tm_decode::merge_units<BF16, D>(parts.data(), first, b, Hkv, g, attn.data() + b * H * D);
-          const QuantX& xq = tm_quant::quantize_rows(attn.data(), M, H * D, w[1].kind >= 2);
+          // each (row, kv head) as the separate op runs it: the row as its own sequence
+          const auto [w0, w1] = share(M * Hkv, tid, nt);
+          for (int64_t u = w0; u < w1; ++u) {
+            const int64_t b = u / Hkv, kvh = u % Hkv;
+            tm_rowattn::attend_one<BF16, C, D>(qkv.data() + b * nq, kc + kvh * S * D, vc + kvh * S * D,
+                                               ksc ? ksc + kvh * S : nullptr, vsc ? vsc + kvh * S : nullptr,
+                                               tb + b * mb, bs, 1, lens[b], kvh, H, g, scale,
+                                               attn_rows.data() + b * H * D);
+          }
+        }
+#pragma omp barrier
+        const BF16* attn_in = attn_rows.data();
+#endif
+        {
+          const QuantX& xq = tm_quant::quantize_rows(attn_in, M, H * D, w[1].kind >= 2);
           const auto [t0, t1] = share(w[1].n / 16, tid, nt);
           mm(w[1], xq, t0, t1, o.data());
+          add_bias(w[1], 16 * t0, 16 * t1, o.data());
         }
 #pragma omp barrier
         {
@@ -407,6 +495,7 @@ class DecodeModel {
           const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[2].kind >= 2);
           const auto [t0, t1] = share(w[2].n / 16, tid, nt);
           mm(w[2], xq, t0, t1, gu.data());
+          add_bias(w[2], 16 * t0, 16 * t1, gu.data());
         }
 #pragma omp barrier
         {
@@ -414,6 +503,7 @@ class DecodeModel {
           const QuantX& xq = tm_quant::quantize_rows(act.data(), M, I, w[3].kind >= 2);
           const auto [t0, t1] = share(w[3].n / 16, tid, nt);
           mm(w[3], xq, t0, t1, dn.data());
+          add_bias(w[3], 16 * t0, 16 * t1, dn.data());
         }
 #pragma omp barrier
         const BF16* next = norms_[l + 1 < L_ ? 2 * (l + 1) : 2 * L_].data_ptr<BF16>();
@@ -491,7 +581,7 @@ int64_t first_max_row(torch::Tensor row) {
   auto r = row.contiguous();
   return first_max(r.data_ptr<float>(), 0, r.numel());
 #else
-  TORCH_CHECK(false, "the fused decode step needs AVX-512 VNNI and BF16");
+  TORCH_CHECK(false, "the fused decode step needs AVX2 or AVX-512 VNNI and BF16");
 #endif
 }
 
@@ -506,7 +596,7 @@ bool decode_step_available() {
 void bind_decode_step(pybind11::module& m) {
   pybind11::class_<DecodeModel>(m, "DecodeModel")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, torch::Tensor,
-                          torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+                          torch::Tensor, int64_t, int64_t, int64_t, double, double, std::vector<torch::Tensor>>())
       .def("bind_cache", &DecodeModel::bind_cache)
       .def("set_head", &DecodeModel::set_head)
       // touches no Python object: other Python threads (the server's) run during a step
