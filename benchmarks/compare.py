@@ -254,15 +254,20 @@ def bench_one(spec: ServerSpec, w: WorkloadConfig, runs: tuple[RunSpec, ...], ou
 
 
 def machine_line(threads: int) -> str:
-    cpu = "unknown CPU"
+    """The CPU, its widest vector ISA and cores: "AMD EPYC" alone has named machines
+    with and without AVX-512 here, and the kernels (ours and llama.cpp's) differ."""
+    cpu, flags = "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown CPU":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}; every server pinned to {threads} threads"
+    isa = ("AVX-512 VNNI" if "avx512_vnni" in flags else "AVX-512 (no VNNI)" if "avx512f" in flags
+           else "AVX2 (no AVX-512)" if "avx2" in flags else "no AVX2")
+    return f"{cpu} ({isa}), {os.cpu_count()} cores, {platform.system()}; every server pinned to {threads} threads"
 
 
 def main() -> None:
