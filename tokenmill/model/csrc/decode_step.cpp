@@ -25,13 +25,15 @@
 #include "sampling.h"
 
 // Two builds of the step. With AVX-512 (VNNI, BF16) attention runs decode_attention.h's
-// chunked kernels, as the separate decode_attention op does; with AVX2 only, each (row,
-// kv head) runs row_attention.h's loop, as the separate paged_attention op does there.
-// Either way the step matches the separate ops that machine would run.
+// chunked kernels, as the separate decode_attention op does; with AVX2 and no AVX-512,
+// each (row, kv head) runs row_attention.h's loop, as the separate paged_attention op
+// does there. Either way the step matches the separate ops that machine would run.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #define TM_FUSED_DECODE 1
 #define TM_FUSED_CHUNKED_ATTENTION 1
-#elif TM_QUANT_TILES
+#elif TM_QUANT_TILES && !defined(__AVX512F__)
+// (with AVX-512 but not VNNI and BF16 the separate ops take decode attention, which the
+// step would not match: there it stays off)
 #define TM_FUSED_DECODE 1
 #define TM_FUSED_CHUNKED_ATTENTION 0
 #endif
