@@ -336,8 +336,8 @@ void tiles_range(const uint8_t* w, int64_t tile_bytes, const QuantX& xq, int64_t
 // AVX2 (no AVX-512: AMD Zen 1-3, Intel client parts): the same tiles, layouts and
 // integer dot products, each 16-row tile as two 8-row halves of 32 bytes. vpdpbusd
 // becomes vpmaddubsw (u8 x s8 pairs into int16) then vpmaddwd against ones (int16
-// pairs into int32). The integer dots are exact, so with the float steps in the same
-// order each output equals the AVX-512 kernels' to the bit.
+// pairs into int32). The integer dots are exact and the float steps in the same order,
+// so the two agree to rounding (a group's float sum of x is added in another order).
 #define TM_QUANT_TILES 1
 constexpr bool kVnni = true;
 
