@@ -48,7 +48,7 @@ class _Counting:
 def test_fused_decode_step_equals_separate_ops(which, request):
     """int4 layers, and int8 ones (Q8_0 block tiles), run fused as they run op by op."""
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     smol_int4 = request.getfixturevalue(which)
     model = smol_int4.model
     tok = smol_int4.tokenizer
@@ -91,7 +91,7 @@ def test_fused_decode_step_equals_separate_ops(which, request):
 
 def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     model = smol_int4.model
     cfg = model.cfg
     layer = model.layers[0]
@@ -148,7 +148,7 @@ def _fused_on_new_cache(loaded):
 
 def test_fused_logits_equal_forward_then_output_projection(smol_int4):
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     model = smol_int4.model
     cfg = model.cfg
     fused = _fused_on_new_cache(smol_int4)
@@ -186,7 +186,7 @@ def test_decode_steps_sampled_equal_forward_logits_and_sample_rows(smol_int4):
     """Sampled rows of a burst draw as the engine's sampler (sample_rows) would step by
     step, with the uniform of (seed, index + step); a greedy row beside them is the argmax."""
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     fused = _fused_on_new_cache(smol_int4)
     lens = torch.tensor([3, 7, 2])
     tables = torch.tensor([[0, 3], [1, 4], [2, 5]])
@@ -234,7 +234,7 @@ def test_sample_rows_follows_the_distribution():
 
 def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     cfg = smol_int4.model.cfg
     fused = _fused_on_new_cache(smol_int4)
     # three sequences of 1, 5 and 14 tokens (the cache as the warm-up left it); the third
@@ -274,7 +274,7 @@ def test_decode_greedy_equals_forward_logits_step_by_step(smol_int4):
 
 def test_fused_argmax_is_the_first_maximum_nan_largest():
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randn(24576, generator=gen) for _ in range(4)]
     tie = torch.randn(64, generator=gen)
@@ -320,7 +320,7 @@ def test_fused_decode_step_with_qkv_bias_equals_separate_ops(tmp_path):
     """A Qwen2 checkpoint (biases on q, k, v) runs fused too, bias added as the separate
     ops add it: the same tokens and logprobs either way."""
     if ops is None or not ops.decode_step_available():
-        pytest.skip("the fused step needs the native build with AVX2 or AVX-512 VNNI and BF16")
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     transformers = pytest.importorskip("transformers")
     from tokenmill.model.loader import load_model
 

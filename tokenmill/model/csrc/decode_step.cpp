@@ -365,7 +365,7 @@ class DecodeModel {
       default: TORCH_CHECK(false, "head_dim ", D_, " not built");
     }
 #else
-    TORCH_CHECK(false, "the fused decode step needs AVX2 or AVX-512 VNNI and BF16");
+    TORCH_CHECK(false, "the fused decode step needs AVX-512 VNNI and BF16, or AVX2 without AVX-512");
 #endif
   }
 
@@ -583,7 +583,7 @@ int64_t first_max_row(torch::Tensor row) {
   auto r = row.contiguous();
   return first_max(r.data_ptr<float>(), 0, r.numel());
 #else
-  TORCH_CHECK(false, "the fused decode step needs AVX2 or AVX-512 VNNI and BF16");
+  TORCH_CHECK(false, "the fused decode step needs AVX-512 VNNI and BF16, or AVX2 without AVX-512");
 #endif
 }
 
