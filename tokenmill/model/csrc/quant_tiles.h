@@ -360,7 +360,9 @@ inline void store8(c10::BFloat16* p, __m256 v) {  // round to nearest even, as c
 
 // u8 weights x s8 activations, 4 at a time into int32 lanes (vpdpbusd's sum), for sums
 // of pairs under 2^15: int4 codes (15 * 127 * 2), or int8 magnitudes (see dot_s8).
-inline __m256i dot_u8(__m256i w, __m256i x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); }
+inline __m256i dot_u8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
 // s8 weights x s8 activations: |w| against x carrying w's sign, so no pair exceeds 2^15.
 inline __m256i dot_s8(__m256i w, __m256i x) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
