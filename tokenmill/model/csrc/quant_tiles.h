@@ -27,8 +27,8 @@ struct QuantX {
   std::vector<int32_t> qsum2; // [M, K/16] sum of q2 per half group
 };
 
-#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
-// quantize_rows' 8-lane helpers
+#if defined(__AVX2__) && defined(__FMA__)
+// 8-lane helpers of quantize_rows and the AVX2 tiles
 inline __m256 avx2_load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 avx2_load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -55,6 +55,26 @@ inline void avx2_store16_i8(int8_t* p, __m256i a, __m256i b) {
   const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0));  // 16 int16
   const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bytes);
+}
+inline void avx2_store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void avx2_store8(c10::BFloat16* p, __m256 v) {  // round to nearest even, as c10::BFloat16 does (NaN aside)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  // 8 int32 (each < 2^16) -> 8 uint16: pack within lanes, then gather the two lanes' halves
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+// One int8 level of a 16-input group (f0, f1): codes into q, returns the scale, the
+// codes' sum in *qsum and the codes themselves in q0, q1.
+inline float avx2_round_level(__m256 f0, __m256 f1, int8_t* q, int32_t* qsum, __m256i& q0, __m256i& q1) {
+  const float d = avx2_hmax(_mm256_max_ps(avx2_abs(f0), avx2_abs(f1))) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  q0 = _mm256_cvtps_epi32(_mm256_mul_ps(f0, inv));
+  q1 = _mm256_cvtps_epi32(_mm256_mul_ps(f1, inv));
+  avx2_store16_i8(q, q0, q1);
+  *qsum = avx2_hsum_i32(_mm256_add_epi32(q0, q1));
+  return d;
 }
 #endif
 
@@ -103,23 +123,14 @@ const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
   // The same in two 8-lane halves.
   for (; i < M * H; ++i) {
     const __m256 f0 = avx2_load8(x + i * kXGroup), f1 = avx2_load8(x + i * kXGroup + 8);
-    const float d = avx2_hmax(_mm256_max_ps(avx2_abs(f0), avx2_abs(f1))) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    const __m256 vinv = _mm256_set1_ps(inv);
-    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(f0, vinv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(f1, vinv));
-    avx2_store16_i8(r.q.data() + i * kXGroup, q0, q1);
-    r.d[i] = d;
-    r.qsum[i] = avx2_hsum_i32(_mm256_add_epi32(q0, q1));
-    if (precise) {
+    __m256i q0, q1;
+    const float d = r.d[i] = avx2_round_level(f0, f1, r.q.data() + i * kXGroup, &r.qsum[i], q0, q1);
+    if (precise) {  // the second level rounds the first's residual
       const __m256 vd = _mm256_set1_ps(d);
-      const __m256 res0 = _mm256_fnmadd_ps(vd, _mm256_cvtepi32_ps(q0), f0);
-      const __m256 res1 = _mm256_fnmadd_ps(vd, _mm256_cvtepi32_ps(q1), f1);
-      const float d2 = avx2_hmax(_mm256_max_ps(avx2_abs(res0), avx2_abs(res1))) / 127.f;
-      const __m256 vinv2 = _mm256_set1_ps(d2 > 0.f ? 1.f / d2 : 0.f);
-      const __m256i p0 = _mm256_cvtps_epi32(_mm256_mul_ps(res0, vinv2));
-      const __m256i p1 = _mm256_cvtps_epi32(_mm256_mul_ps(res1, vinv2));
-      avx2_store16_i8(r.q2.data() + i * kXGroup, p0, p1);
-      r.d2[i] = d2;
-      r.qsum2[i] = avx2_hsum_i32(_mm256_add_epi32(p0, p1));
+      __m256i p0, p1;
+      r.d2[i] = avx2_round_level(_mm256_fnmadd_ps(vd, _mm256_cvtepi32_ps(q0), f0),
+                                 _mm256_fnmadd_ps(vd, _mm256_cvtepi32_ps(q1), f1), r.q2.data() + i * kXGroup,
+                                 &r.qsum2[i], p0, p1);
     }
     const float s = avx2_hsum(_mm256_add_ps(f0, f1));
     if (i % 2 == 0) r.sum[i / 2] = s;
@@ -347,24 +358,13 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(c10::BFloat16* p, __m256 v) {  // round to nearest even, as c10::BFloat16 does (NaN aside)
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  // 8 int32 (each < 2^16) -> 8 uint16: pack within lanes, then gather the two lanes' halves
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
 
-// u8 weights x s8 activations, 4 at a time into int32 lanes (vpdpbusd's sum), for sums
-// of pairs under 2^15: int4 codes (15 * 127 * 2), or int8 magnitudes (see dot_s8).
-inline __m256i dot_u8(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+// s8 weights w x s8 activations x, 4 at a time into int32 lanes (vpdpbusd's sum): |w|
+// (aw, taken once for every row of x) against x carrying w's sign, so no pair of
+// products exceeds 2^15 in vpmaddubsw.
+inline __m256i dot_s8(__m256i aw, __m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
 }
-// s8 weights x s8 activations: |w| against x carrying w's sign, so no pair exceeds 2^15.
-inline __m256i dot_s8(__m256i w, __m256i x) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
 // One tile for R rows of x: out[2r + h] holds row r's outputs at tile rows 8h..8h+7.
 template <int R, bool Precise>
@@ -438,10 +438,11 @@ void q8_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256
       for (int c = 0; c < 4; ++c) {
         const __m256i v = codes_s8(wg + c * 64 + h * 32);
         const __m256i u = codes_s8(wg + (c + 4) * 64 + h * 32);
+        const __m256i av = _mm256_sign_epi8(v, v), au = _mm256_sign_epi8(u, u);
         for (int r = 0; r < R; ++r) {
           const int8_t* xg = xq.q.data() + (xrow + r) * K + g * kGroup;
-          lo_dot[r] = _mm256_add_epi32(lo_dot[r], dot_s8(v, bcast4(xg + 4 * c)));
-          hi_dot[r] = _mm256_add_epi32(hi_dot[r], dot_s8(u, bcast4(xg + 16 + 4 * c)));
+          lo_dot[r] = _mm256_add_epi32(lo_dot[r], dot_s8(av, v, bcast4(xg + 4 * c)));
+          hi_dot[r] = _mm256_add_epi32(hi_dot[r], dot_s8(au, u, bcast4(xg + 16 + 4 * c)));
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -454,7 +455,7 @@ void q8_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256
   }
   const float* s = reinterpret_cast<const float*>(w);
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) out[2 * r + h] = _mm256_mul_ps(acc[2 * r + h], load8(s + 8 * h));
+    for (int h = 0; h < 2; ++h) out[2 * r + h] = _mm256_mul_ps(acc[2 * r + h], avx2_load8(s + 8 * h));
 }
 
 template <int R>
@@ -473,10 +474,10 @@ void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m25
         const __m256i av = _mm256_sign_epi8(v, v), au = _mm256_sign_epi8(u, u);
         for (int r = 0; r < R; ++r) {
           const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
-          lo_dot[r] = _mm256_add_epi32(lo_dot[r], dot_u8(av, _mm256_sign_epi8(bcast4(xq.q.data() + xo), v)));
-          hi_dot[r] = _mm256_add_epi32(hi_dot[r], dot_u8(au, _mm256_sign_epi8(bcast4(xq.q.data() + xo + 16), u)));
-          lo_dot2[r] = _mm256_add_epi32(lo_dot2[r], dot_u8(av, _mm256_sign_epi8(bcast4(xq.q2.data() + xo), v)));
-          hi_dot2[r] = _mm256_add_epi32(hi_dot2[r], dot_u8(au, _mm256_sign_epi8(bcast4(xq.q2.data() + xo + 16), u)));
+          lo_dot[r] = _mm256_add_epi32(lo_dot[r], dot_s8(av, v, bcast4(xq.q.data() + xo)));
+          hi_dot[r] = _mm256_add_epi32(hi_dot[r], dot_s8(au, u, bcast4(xq.q.data() + xo + 16)));
+          lo_dot2[r] = _mm256_add_epi32(lo_dot2[r], dot_s8(av, v, bcast4(xq.q2.data() + xo)));
+          hi_dot2[r] = _mm256_add_epi32(hi_dot2[r], dot_s8(au, u, bcast4(xq.q2.data() + xo + 16)));
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 512 + 16 * h)));
@@ -520,7 +521,7 @@ void tiles_range(const uint8_t* w, int64_t tile_bytes, const QuantX& xq, int64_t
         default: if constexpr (kRows > 2) tile_rows<4, Kind>(wt, xq, m0, K, res);
       }
       for (int64_t r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) store8(y + (m0 + r) * N + t * kTile + 8 * h, res[2 * r + h]);
+        for (int h = 0; h < 2; ++h) avx2_store8(y + (m0 + r) * N + t * kTile + 8 * h, res[2 * r + h]);
     }
   }
 }
