@@ -4,9 +4,9 @@ code path), default configuration: temperature 1 (the API's default) vs temperat
 
     python benchmarks/sampled_speed.py [--repeat 5] [--tokens 256] [--concurrency 1]
 
-Greedy and plain sampled decodes (a temperature, no top-k/top-p/min-p) both run in
-native bursts (SchedulerConfig.decode_steps); top-p 0.9 is shown beside them, which runs
-one step at a time with the sampler in torch.
+Greedy and sampled decodes, truncated ones (top-k, top-p, min-p) included, all run in
+native bursts (SchedulerConfig.decode_steps), truncating inside the native draw
+(csrc/sampling.h).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ MODES = {
     "greedy": dict(temperature=0.0),
     "temperature 1": dict(temperature=1.0),
     "temperature 1, top_p 0.9": dict(temperature=1.0, top_p=0.9),
+    "temperature 0.7, top_k 40, top_p 0.95": dict(temperature=0.7, top_k=40, top_p=0.95),
+    "temperature 1, min_p 0.05": dict(temperature=1.0, min_p=0.05),
 }
 
 

@@ -61,9 +61,15 @@ def test_bursts_equal_single_steps_on_the_fallback_path(tiny):
         "short": (_prompt(5, 9), SamplingParams(temperature=0, max_tokens=3)),
         # plain sampled: the fallback steps advance the output position the draw uses
         "sampled": (_prompt(8, 5), SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)),
+        # truncated sampling bursts as well
+        "top_p": (_prompt(8, 5), SamplingParams(temperature=1.0, top_p=0.7, seed=11, max_tokens=30, ignore_eos=True)),
+        "top_k": (_prompt(8, 5), SamplingParams(temperature=1.2, top_k=4, min_p=0.1, seed=11, max_tokens=30,
+                                                ignore_eos=True)),
     }
     (one, one_steps), (burst, burst_calls) = _both(tiny, requests, max_model_len=64)
     assert len(set(one[0][("sampled", 0)])) > 5
+    # the same prompt and seed: truncation changed the draws
+    assert one[0][("top_p", 0)] != one[0][("sampled", 0)] != one[0][("top_k", 0)]
     assert burst == one
     assert one[0][("stop_tok", 0)] == greedy[:first + 1] and one[2][("stop_tok", 0)] == ("stop", stop_tok)
     assert one[3][("long", 0)] == 37
@@ -77,9 +83,7 @@ def test_bursts_equal_single_steps_on_the_fallback_path(tiny):
 def test_requests_that_need_every_step_run_one_step_at_a_time(tiny):
     engine = make_engine(tiny, decode_steps=8)
     sched = engine.scheduler
-    for rid, sp in (("top_p", SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=20)),
-                    ("top_k", SamplingParams(temperature=0.8, top_k=5, max_tokens=20)),
-                    ("logprobs", SamplingParams(temperature=0, logprobs=2, max_tokens=20)),
+    for rid, sp in (("logprobs", SamplingParams(temperature=0, logprobs=2, max_tokens=20)),
                     ("penalty", SamplingParams(temperature=0, frequency_penalty=1.0, max_tokens=20)),
                     ("min_tokens", SamplingParams(temperature=0, min_tokens=6, max_tokens=20))):
         engine.add_request(rid, _prompt(10), sp)
@@ -195,9 +199,11 @@ def test_bursts_equal_single_steps_through_the_native_loop(smol_int4, monkeypatc
                                                                     ignore_eos=True)),
         "hot": (tok.encode("Once upon a time"), SamplingParams(temperature=1.5, seed=4, max_tokens=40,
                                                                 ignore_eos=True)),
-        # top-p: every step one at a time, beside the bursts of the others
+        # truncated: bursts as well, truncating in the native draw
         "top_p": (tok.encode("Once upon a time"), SamplingParams(temperature=0.9, top_p=0.8, seed=5,
-                                                                  max_tokens=12)),
+                                                                  max_tokens=30, ignore_eos=True)),
+        "top_k_min_p": (tok.encode("Once upon a time"), SamplingParams(temperature=1.1, top_k=20, min_p=0.05,
+                                                                        seed=6, max_tokens=30, ignore_eos=True)),
     }
     (one, one_steps), (burst, burst_calls) = _both(smol_int4, requests, num_blocks=128)
     assert burst == one

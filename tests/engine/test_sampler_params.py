@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import make_engine, run_to_completion, tiny_loaded
+from tokenmill.engine import sampler
 from tokenmill.engine.api import SamplingParams
 from tokenmill.engine.sampler import LogitBias, SamplingBatch, _apply_penalties, _apply_top_k_top_p_min_p, sample
 
@@ -108,8 +109,10 @@ def test_top_k_keeps_exactly_the_k_largest(row, k):
 
 def test_top_k_at_least_the_vocabulary_or_zero_keeps_everything():
     assert support(draw(LOGITS[1], top_k=V)) == set(range(V))
-    b = SamplingBatch(temperature=torch.ones(1), all_greedy=False, top_k=torch.zeros(1, dtype=torch.int64))
-    assert torch.equal(_apply_top_k_top_p_min_p(torch.from_numpy(LOGITS[1:2]), b), torch.from_numpy(LOGITS[1:2]))
+    assert support(draw(LOGITS[1], top_k=V + 5)) == set(range(V))
+    off = torch.zeros(1, dtype=torch.int64)
+    assert torch.equal(_apply_top_k_top_p_min_p(torch.from_numpy(LOGITS[1:2]), off, None, None),
+                       torch.from_numpy(LOGITS[1:2]))
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth():
@@ -146,10 +149,11 @@ def test_top_p_of_one_truncates_nothing_even_beside_a_row_that_truncates():
     # a peaked row: the rounded cumulative sum reaches 1 long before the tail
     logits = torch.zeros(2, 1000)
     logits[:, 0], logits[:, 1] = 20.0, 19.0
-    b = SamplingBatch(temperature=torch.ones(2), all_greedy=False, top_p=torch.tensor([1.0, 0.5]))
-    out = _apply_top_k_top_p_min_p(logits, b)
+    out = _apply_top_k_top_p_min_p(logits, None, torch.tensor([1.0, 0.5]), None)
     assert torch.equal(out[0], logits[0])
     assert torch.isfinite(out[1]).sum() == 1
+    got = sampler.draw(logits, torch.ones(2), [3, 3], [0, 0], None, torch.tensor([1.0, 0.5]), None)
+    assert int(got[1]) == 0
 
 
 @pytest.mark.parametrize("row", range(len(LOGITS)))
@@ -428,21 +432,28 @@ def test_logit_bias_through_the_engine(tiny):
 def test_the_torch_draw_is_the_native_draw(monkeypatch):
     """Machines without the native build draw by the same definition in torch: the same
     token but for float-sum rounding at a boundary (rare)."""
-    import tokenmill.engine.sampler as sampler
-
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(400, 300, generator=g) * 2.0
     logits[:, 5] = float("-inf")  # a masked token
     temps = torch.rand(400, generator=g) + 0.3
     seeds = list(range(400))
     indices = [3] * 400
-    native = sampler.draw(logits, temps, seeds, indices) if sampler.native_ops() is not None else None
+    # truncated rows too: top-k, top-p and min-p, each off in some rows
+    top_k = torch.where(torch.arange(400) % 3 == 0, 0, torch.randint(1, 60, (400,), generator=g))
+    top_p = torch.where(torch.arange(400) % 4 == 0, 1.0, torch.rand(400, generator=g) * 0.9 + 0.05)
+    min_p = torch.where(torch.arange(400) % 5 == 0, torch.rand(400, generator=g) * 0.2, 0.0)
+    truncs = (top_k, top_p, min_p)
+    native = (sampler.draw(logits, temps, seeds, indices), sampler.draw(logits, temps, seeds, indices, *truncs)) \
+        if sampler.native_ops() is not None else None
     monkeypatch.setattr(sampler, "native_ops", lambda: None)
     fallback = sampler.draw(logits, temps, seeds, indices)
     assert fallback.dtype == torch.int64 and not (fallback == 5).any()
     assert len(set(fallback.tolist())) > 50  # really spread over the vocabulary
+    truncated = sampler.draw(logits, temps, seeds, indices, *truncs)
+    assert not (truncated == fallback).all()  # the truncation did something
     if native is not None:
-        assert (native == fallback).float().mean() >= 0.99
+        assert (native[0] == fallback).float().mean() >= 0.99
+        assert (native[1] == truncated).float().mean() >= 0.99
 
 
 def test_top_p_over_a_large_vocabulary_sorts_only_where_the_nucleus_needs_it():
@@ -473,3 +484,48 @@ def test_top_p_over_a_large_vocabulary_sorts_only_where_the_nucleus_needs_it():
         assert set(torch.isfinite(together[i]).nonzero().squeeze(1).tolist()) == want[i]
         kept = torch.isfinite(together[i])
         assert torch.equal(together[i][kept], torch.from_numpy(rows[i])[kept])  # kept logits are untouched
+
+
+def test_native_truncation_over_a_large_vocabulary():
+    """The native draw's truncation (what the sampler and the decode bursts run) on Qwen's
+    151,936 tokens: top-p's radix select finds the reference nucleus of a peaked row and of
+    a flat one (thousands of tokens), at a temperature; top-k keeps the k largest and their
+    ties; min-p keeps tokens within a factor of the top; combined, each applies in turn."""
+    ops = sampler.native_ops()
+    if ops is None:
+        pytest.skip("no native build")
+    rng = np.random.default_rng(11)
+    big = 151_936
+    peaked = rng.normal(0, 1, big).astype(np.float32)
+    peaked[rng.choice(big, 40, replace=False)] += 14.0
+    flat = rng.normal(0, 1, big).astype(np.float32)
+    flat[rng.choice(big, 3000, replace=False)] += 10.0
+    for row, size, temp in ((peaked, 20, 1.0), (flat, 1200, 1.0), (flat, 900, 1.3), (peaked, 1, 0.7)):
+        q = np.exp((row.astype(np.float64) - row.max()) / temp)
+        q /= q.sum()
+        order = np.argsort(-q, kind="stable")
+        cum = np.cumsum(q[order])
+        top_p = float((cum[size - 2] + cum[size - 1]) / 2) if size > 1 else float(cum[0] / 2)
+        kept = ops.truncation_kept(torch.from_numpy(row), temp, 0, top_p, 0.0)
+        assert set(kept.nonzero().squeeze(1).tolist()) == set(order[:size].tolist()), (size, temp)
+    # top-k, ties at the k-th kept
+    row = flat.copy()
+    order = np.argsort(-row, kind="stable")
+    row[order[50]] = row[order[49]]
+    kept = ops.truncation_kept(torch.from_numpy(row), 1.0, 50, 1.0, 0.0)
+    assert set(kept.nonzero().squeeze(1).tolist()) == set(order[:51].tolist())
+    # min-p: within a factor of the top, at the temperature
+    q = np.exp((peaked.astype(np.float64) - peaked.max()) / 0.8)
+    kept = ops.truncation_kept(torch.from_numpy(peaked), 0.8, 0, 1.0, 0.01)
+    want = q >= 0.01
+    assert np.abs(q - 0.01).min() > 1e-6 and np.array_equal(kept.numpy(), want)
+    # top-k 30, then top-p over the survivors' renormalized mass, then min-p
+    q = np.exp(flat.astype(np.float64) - flat.max())
+    k30 = np.argsort(-flat, kind="stable")[:30]
+    cum = np.cumsum(q[k30]) / q[k30].sum()
+    top_p = float((cum[17] + cum[18]) / 2)  # 19 tokens
+    min_p = float(q[k30[12]] / q[k30[0]]) * 1.0001  # drops the 13th on
+    kept = ops.truncation_kept(torch.from_numpy(flat), 1.0, 30, top_p, min_p)
+    assert set(kept.nonzero().squeeze(1).tolist()) == set(k30[:12].tolist())
+    # any top_p keeps the top token
+    assert ops.truncation_kept(torch.from_numpy(flat), 1.0, 0, 0.0, 0.0).nonzero().squeeze(1).tolist() == [k30[0]]

@@ -174,38 +174,48 @@ def test_fused_logits_equal_forward_then_output_projection(smol_int4):
         fused.set_head(model.embed.float(), model.lm_head.tiles)
 
 
-def _steps(fused, ids, positions, tables, lens, bs, steps, temps=None, seeds=None, indices=None):
+def _no_truncation(M):
+    return torch.zeros(M, dtype=torch.int64), torch.ones(M), torch.zeros(M)
+
+
+def _steps(fused, ids, positions, tables, lens, bs, steps, temps=None, seeds=None, indices=None, truncs=None):
     M = ids.shape[0]
     temps = torch.zeros(M) if temps is None else temps
     seeds = torch.zeros(M, dtype=torch.int64) if seeds is None else seeds
     indices = torch.zeros(M, dtype=torch.int64) if indices is None else indices
-    return fused.decode_steps(ids, positions, tables, lens, bs, steps, temps, seeds, indices)
+    truncs = _no_truncation(M) if truncs is None else truncs
+    return fused.decode_steps(ids, positions, tables, lens, bs, steps, temps, seeds, indices, *truncs)
 
 
 def test_decode_steps_sampled_equal_forward_logits_and_sample_rows(smol_int4):
     """Sampled rows of a burst draw as the engine's sampler (sample_rows) would step by
-    step, with the uniform of (seed, index + step); a greedy row beside them is the argmax."""
+    step, with the uniform of (seed, index + step) and each row's truncation (top-k,
+    top-p, min-p); a greedy row beside them is the argmax."""
     if ops is None or not ops.decode_step_available():
         pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     fused = _fused_on_new_cache(smol_int4)
-    lens = torch.tensor([3, 7, 2])
-    tables = torch.tensor([[0, 3], [1, 4], [2, 5]])
-    ids = torch.tensor([17, 4242, 99])
-    temps = torch.tensor([1.0, 0.0, 0.6])
-    seeds = torch.tensor([7, 8, -(2 ** 63)], dtype=torch.int64)  # any 64 bits
-    indices = torch.tensor([0, 5, 11], dtype=torch.int64)
+    lens = torch.tensor([3, 7, 2, 5, 4])
+    tables = torch.tensor([[0, 5], [1, 6], [2, 7], [3, 8], [4, 9]])
+    ids = torch.tensor([17, 4242, 99, 310, 2048])
+    temps = torch.tensor([1.0, 0.0, 0.6, 1.3, 0.9])
+    seeds = torch.tensor([7, 8, -(2 ** 63), 9, 10], dtype=torch.int64)  # any 64 bits
+    indices = torch.tensor([0, 5, 11, 2, 40], dtype=torch.int64)
+    truncs = (torch.tensor([0, 0, 40, 0, 5]), torch.tensor([1.0, 1.0, 1.0, 0.8, 0.95]),
+              torch.tensor([0.0, 0.0, 0.0, 0.0, 0.02]))
     steps = 6
-    got = _steps(fused, ids, lens - 1, tables, lens, 16, steps, temps, seeds, indices)
-    want, cur = [], ids
+    got = _steps(fused, ids, lens - 1, tables, lens, 16, steps, temps, seeds, indices, truncs)
+    want, cur, plain = [], ids, []
     for s in range(steps):
         pos = lens - 1 + s
         slots = tables.gather(1, (pos // 16).unsqueeze(1)).squeeze(1) * 16 + pos % 16
         logits, best = fused.forward_logits(cur, pos, slots, tables, lens + s, 16)
-        drawn = ops.sample_rows(logits, temps.clamp(min=1e-3), seeds, indices + s)
+        drawn = ops.sample_rows(logits, temps.clamp(min=1e-3), seeds, indices + s, *truncs)
+        plain.append(ops.sample_rows(logits, temps.clamp(min=1e-3), seeds, indices + s, *_no_truncation(5)))
         cur = torch.where(temps > 0, drawn, best)
         want.append(cur)
     assert torch.equal(got, torch.stack(want))
     assert len(set(got[:, 0].tolist())) > 1
+    assert not torch.equal(got[:, 2:], torch.stack(plain)[:, 2:])  # the truncation changed some draws
 
 
 def test_sample_rows_follows_the_distribution():
@@ -219,7 +229,7 @@ def test_sample_rows_follows_the_distribution():
     seeds = torch.arange(n, dtype=torch.int64)
     idx = torch.full((n,), 3, dtype=torch.int64)
     for T in (1.0, 0.5):
-        got = ops.sample_rows(logits.repeat(n, 1), torch.full((n,), T), seeds, idx)
+        got = ops.sample_rows(logits.repeat(n, 1), torch.full((n,), T), seeds, idx, *_no_truncation(n))
         p = torch.softmax(logits[0] / T, dim=0)
         counts = torch.bincount(got, minlength=16).float()
         assert counts[3] == 0 and counts[5:].sum() == 0  # masked and negligible tokens never come
@@ -228,7 +238,7 @@ def test_sample_rows_follows_the_distribution():
     # the uniform of (seed, index) is splitmix64's, as the Python side computes it
     u = (position_seed(12345, 6) >> 11) / 2 ** 53
     row = torch.tensor([[0.0, 0.0]])  # two equal weights: token 1 iff u * 2 >= 1
-    tok = ops.sample_rows(row, torch.tensor([1.0]), torch.tensor([12345]), torch.tensor([6]))
+    tok = ops.sample_rows(row, torch.tensor([1.0]), torch.tensor([12345]), torch.tensor([6]), *_no_truncation(1))
     assert int(tok) == int(u >= 0.5)
 
 

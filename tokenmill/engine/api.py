@@ -117,12 +117,6 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
-    def plain_sampling(self) -> bool:
-        """Sampled from the whole distribution at a temperature: no top-k, top-p or min-p
-        (what decode bursts sample natively)."""
-        return not self.greedy and self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0.0
-
-    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

@@ -63,14 +63,17 @@ class ModelRunner:
         return self._step(out.scheduled)
 
     def _decode_steps(self, sch: list[ScheduledRequest], steps: int) -> RunnerOutput:
-        """`steps` decode steps (greedy or plain sampled), each step's token the next one's
+        """`steps` decode steps (greedy or sampled), each step's token the next one's
         input: one native call where the model has it, else step by step (the same tokens
         either way)."""
         inputs = self._inputs(sch)
         temps = torch.tensor([0.0 if s.params.greedy else s.params.temperature for s in sch], dtype=torch.float32)
         seeds = torch.tensor([as_int64(s.seed) for s in sch], dtype=torch.int64)
         indices = torch.tensor([len(s.output_token_ids) for s in sch], dtype=torch.int64)
-        toks = self.model.decode_steps(*inputs[:3], self.kv_cache, steps, temps, seeds, indices)
+        truncs = (torch.tensor([s.params.top_k for s in sch], dtype=torch.int64),
+                  torch.tensor([s.params.top_p for s in sch], dtype=torch.float32),
+                  torch.tensor([s.params.min_p for s in sch], dtype=torch.float32))
+        toks = self.model.decode_steps(*inputs[:3], self.kv_cache, steps, temps, seeds, indices, *truncs)
         if toks is not None:
             return RunnerOutput(sampled={s.request_id: toks[:, i].tolist() for i, s in enumerate(sch)})
         result = RunnerOutput(sampled={s.request_id: [] for s in sch})

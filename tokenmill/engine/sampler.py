@@ -14,9 +14,11 @@ in a burst or as a speculative row. Logprobs
 masking, bias, penalties, temperature and truncation; for a row under a grammar, of
 that distribution restricted to the tokens the grammar allows (renormalized).
 
-Top-k keeps every token tied with the k-th largest logit (so ties can keep more than
-k); top-p keeps the smallest set of most likely tokens whose mass reaches p; min-p
-keeps tokens whose probability is at least min_p times the largest.
+Truncation is part of the draw (csrc/sampling.h, so the bursts truncate too), in the
+tempered distribution: top-k keeps every token tied with the k-th largest logit (so
+ties can keep more than k); top-p keeps the smallest set of most likely tokens whose
+mass reaches p (and any token as likely as the last of them); min-p keeps tokens whose
+probability is at least min_p times the largest.
 """
 
 from __future__ import annotations
@@ -50,18 +52,29 @@ def as_int64(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def draw(logits: torch.Tensor, temps: torch.Tensor, seeds: list[int], indices: list[int]) -> torch.Tensor:
+def draw(logits: torch.Tensor, temps: torch.Tensor, seeds: list[int], indices: list[int],
+         top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+         min_p: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of logits [B, V] float32 (masked tokens at -inf or _MASKED), at
-    temps [B] float32 (> 0), from the uniform of (seeds[b], indices[b]): int64 [B]."""
+    temps [B] float32 (> 0), after truncation by top_k [B] int64, top_p and min_p [B]
+    float32 (None: off for every row), from the uniform of (seeds[b], indices[b]): int64
+    [B]."""
     logits = logits.float().clamp(min=_MASKED)
+    B, V = logits.shape
     ops = native_ops()
     seeds_t = torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64)
     indices_t = torch.tensor(indices, dtype=torch.int64)
     if ops is not None:
-        return ops.sample_rows(logits, temps.float(), seeds_t, indices_t)
-    # Without the native code: the same definition in torch (the float sums may round
+        # the same call the decode bursts make per row (csrc/sampling.h)
+        return ops.sample_rows(logits, temps.float(), seeds_t, indices_t,
+                               top_k if top_k is not None else torch.zeros(B, dtype=torch.int64),
+                               top_p.float() if top_p is not None else torch.ones(B),
+                               min_p.float() if min_p is not None else torch.zeros(B))
+    # Without the native code: the same definitions in torch (the float sums may round
     # differently, so a seeded token can differ from a native machine's in rare cases).
-    B, V = logits.shape
+    if top_k is not None or top_p is not None or min_p is not None:
+        kept = _apply_top_k_top_p_min_p(logits / temps.float().unsqueeze(1), top_k, top_p, min_p)
+        logits = logits.masked_fill(kept == float("-inf"), _MASKED)
     m = logits.max(dim=-1, keepdim=True).values
     x = (logits - m) * (1.0 / temps.float()).unsqueeze(1)
     e = torch.where(x > -87.0, torch.exp(x), torch.zeros_like(x)).double()
@@ -169,21 +182,24 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                             min_p: torch.Tensor | None) -> torch.Tensor:
+    """Truncation in torch (machines without the native build): logits [B, V] already
+    divided by the temperature, with the dropped tokens at -inf."""
     neg_inf = torch.tensor(float("-inf"))
-    if b.top_k is not None and bool((b.top_k > 0).any()):
-        k = b.top_k
+    if top_k is not None and bool((top_k > 0).any()):
+        k = top_k.clamp(max=logits.shape[1])
         max_k = int(k.max())
         kth = torch.topk(logits, max_k, dim=-1).values  # [B, max_k]
         idx = (k.clamp(min=1) - 1).unsqueeze(1)
         thresh = kth.gather(1, idx)
         thresh = torch.where((k > 0).unsqueeze(1), thresh, neg_inf)
         logits = torch.where(logits < thresh, neg_inf, logits)
-    if b.top_p is not None:
-        logits = _apply_top_p(logits, b.top_p)
-    if b.min_p is not None:
+    if top_p is not None:
+        logits = _apply_top_p(logits, top_p)
+    if min_p is not None:
         probs = logits.softmax(-1)
-        thresh = probs.max(-1, keepdim=True).values * b.min_p.unsqueeze(1)
+        thresh = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
     return logits
 
@@ -257,9 +273,6 @@ def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None =
         temp = b.temperature
         is_greedy = temp < GREEDY_BELOW  # (fp32 logits / a tinier temperature overflow)
         safe_temp = torch.where(is_greedy, torch.ones_like(temp), temp)
-        if b.top_k is not None or b.top_p is not None or b.min_p is not None:
-            kept = _apply_top_k_top_p_min_p(logits / safe_temp.unsqueeze(1), b)
-            logits = logits.masked_fill(kept == float("-inf"), float("-inf"))
         sampled_rows = (~is_greedy).nonzero().squeeze(1)
         tokens = greedy_tokens.clone()
         if len(sampled_rows):
@@ -267,7 +280,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None =
             # (a batch built without seeds draws at random)
             seeds = [b.seeds[r] for r in rows] if b.seeds is not None else [secrets.randbits(64) for _ in rows]
             indices = [b.indices[r] for r in rows] if b.indices is not None else [0] * len(rows)
-            tokens[sampled_rows] = draw(logits[sampled_rows], safe_temp[sampled_rows], seeds, indices)
+            tokens[sampled_rows] = draw(logits[sampled_rows], safe_temp[sampled_rows], seeds, indices,
+                                        *(t[sampled_rows] if t is not None else None
+                                          for t in (b.top_k, b.top_p, b.min_p)))
     out = SamplerOutput(token_ids=tokens.tolist())
     if raw_logprobs is not None:
         out.logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()

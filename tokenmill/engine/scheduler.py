@@ -303,14 +303,13 @@ class Scheduler:
     def _burst_steps(self, reqs: list[Request]) -> int:
         """How many decode steps these decodes (one token each, blocks for it allocated)
         run in one go: decode_steps shared among them, 1 unless each one's next tokens
-        depend on nothing but the logits and its seed (greedy, or sampled at a temperature
-        without top-k/top-p/min-p; no logprobs, no penalties, no bias, no grammar,
-        min_tokens met), capped by each one's remaining length; the blocks for the extra steps are
+        depend on nothing but the logits and its seed (greedy or sampled, top-k/top-p/min-p
+        included; no logprobs, no penalties, no bias, no grammar, min_tokens met), capped by each one's remaining length; the blocks for the extra steps are
         allocated here (1, allocating nothing, if the pool can't hold them all)."""
         steps = self.config.decode_steps // len(reqs)
         for req in reqs:
             sp = req.params
-            if (not (sp.greedy or sp.plain_sampling) or sp.logprobs is not None or sp.has_penalties
+            if (sp.logprobs is not None or sp.has_penalties
                     or sp.logit_bias or sp.structured is not None or req.num_output_tokens < sp.min_tokens):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens,

@@ -247,17 +247,19 @@ class LlamaModel:
     @torch.inference_mode()
     def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      kv_cache, steps: int, temps: torch.Tensor, seeds: torch.Tensor,
-                     indices: torch.Tensor) -> torch.Tensor | None:
+                     indices: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                     min_ps: torch.Tensor) -> torch.Tensor | None:
         """`steps` single-token decode steps in one native call, each step's token the next
         step's input: the argmax where temps [T] is 0, else sampled at that temperature with
-        the uniform of (seeds [T], indices [T] + step), as the engine's sampler draws
-        (csrc/sampling.h): the tokens step-by-step decoding would pick. int64 [steps, T].
+        the uniform of (seeds [T], indices [T] + step) after truncation by top_ks [T] int64,
+        top_ps and min_ps [T] float32, as the engine's sampler draws (csrc/sampling.h): the
+        tokens step-by-step decoding would pick. int64 [steps, T].
         The block tables must hold every step's slot. None where the fused path does not
         apply."""
         if not self._fused_to_logits(meta, input_ids.shape[0], kv_cache):
             return None
         return self._fused.decode_steps(input_ids, positions, meta.block_tables, meta.seq_lens,
-                                        meta.block_size, steps, temps, seeds, indices)
+                                        meta.block_size, steps, temps, seeds, indices, top_ks, top_ps, min_ps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
