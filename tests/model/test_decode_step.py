@@ -365,3 +365,69 @@ def test_fused_decode_step_with_qkv_bias_equals_separate_ops(tmp_path):
     model.fused_decode = True
     assert results[True] == results[False]
     assert all(len(t) == 12 for t in results[True][0].values())
+
+
+def test_fused_decode_step_with_q5_0_and_wide_blocks_equals_separate_ops(tmp_path):
+    """A K-quant-style mix as llama-quantize writes it for Qwen (most layers Q5_0, some in
+    Q8_0): int4 mode keeps Q5_0 layers in Q5_0 tiles with the file's own weights, a layer
+    with a part in wider blocks at 8 bits, and the fused step runs both kinds as the
+    separate ops do: the same tokens and logprobs."""
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+    from gguf import GGMLQuantizationType as G, quants
+
+    from tokenmill.model.gguf_loader import q5_0_codes
+    from tokenmill.model.loader import LoadedModel, StoredBlocks, build_model
+    from tokenmill.model.quant import Int4Linear, Int8BlockLinear, Q5BlockLinear
+    from tokenmill.model.safetensors_loader import HFCheckpoint
+
+    torch.manual_seed(1)
+    hf = transformers.Qwen2Config(hidden_size=256, intermediate_size=192, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                                  max_position_embeddings=256, rms_norm_eps=1e-6)
+    transformers.Qwen2ForCausalLM(hf).save_pretrained(tmp_path, safe_serialization=True)
+    ckpt = HFCheckpoint(str(tmp_path))
+    cfg = ckpt.model_config()
+    weights = dict(ckpt.iter_state_dict(cfg))
+    stored = StoredBlocks({}, {}, set())
+    for name, w in list(weights.items()):
+        if not name.startswith("model.layers.") or w.dim() != 2:
+            continue
+        wide = name.endswith("layers.0.self_attn.v_proj.weight") or name.endswith("layers.1.mlp.down_proj.weight")
+        raw = quants.quantize(w.numpy(), G.Q8_0 if wide else G.Q5_0)
+        weights[name] = torch.from_numpy(quants.dequantize(raw, G.Q8_0 if wide else G.Q5_0).copy())
+        if wide:
+            stored.wide.add(name)
+        else:
+            stored.q5_0[name] = tuple(torch.from_numpy(a) for a in q5_0_codes(raw, *w.shape))
+    model = build_model(cfg, dict(weights), torch.bfloat16, None, "int4", stored)
+    l0, l1 = model.layers
+    assert isinstance(l0.qkv, Int8BlockLinear) and isinstance(l1.qkv, Q5BlockLinear)
+    assert isinstance(l1.down, Int8BlockLinear) and isinstance(l0.down, Q5BlockLinear)
+    assert torch.equal(l1.gate_up.dequantize(), torch.cat([weights["model.layers.1.mlp.gate_proj.weight"],
+                                                           weights["model.layers.1.mlp.up_proj.weight"]]))
+    # without the file's blocks the same weights are rounded to int4
+    assert isinstance(build_model(cfg, dict(weights), torch.bfloat16, None, "int4").layers[1].qkv, Int4Linear)
+    loaded = LoadedModel(model, None, cfg, "q5")
+    prompts = {"a": [5, 17, 200, 3], "b": list(range(40, 80)), "c": [300, 1]}
+    results = {}
+    for fused in (True, False):
+        model.fused_decode = fused
+        engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
+        tokens, logprobs = {}, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+        results[fused] = (tokens, logprobs)
+        if fused:
+            assert model._fused, "the model did not take the fused step"
+    model.fused_decode = True
+    assert results[True] == results[False]
+    assert all(len(t) == 12 for t in results[True][0].values())
+    assert len({t for ts in results[True][0].values() for t in ts}) > 3  # not one token over and over
+    assert np.isfinite([lp for lps in results[True][1].values() for lp, _ in lps]).all()

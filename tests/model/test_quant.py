@@ -169,3 +169,46 @@ def test_q4_k_blocks_keep_their_codes_in_int4(tmp_path):
     assert err <= 2e-3 * float(np.abs(ref).max())  # float16 d and m only
     rederived = Int4Linear(torch.from_numpy(ref))  # without the file's grid: rounded a second time
     assert (rederived.dequantize() - torch.from_numpy(ref)).abs().max().item() > err
+
+
+def test_q5_0_blocks_are_kept_as_the_file_stores_them(tmp_path):
+    """A Q5_0 tensor (quantized by the gguf package's reference code, written to a GGUF
+    file) comes back with its own codes and scales, bit for bit what gguf dequantizes, in
+    Q5_0 tiles (5.5 bits a weight), and the native kernel computes with exactly those
+    weights."""
+    import gguf
+    import numpy as np
+
+    from tokenmill.model.gguf_loader import GGUFFile
+    from tokenmill.model.quant import Q5BlockLinear, quant_vnni_available, unpack_q5_tiles
+
+    rows, cols = 48, 256
+    w = _weight(n=rows, k=cols, seed=5).numpy()
+    w[:, ::5] *= -4.0  # groups with a negative extreme and groups with a positive one
+    path = tmp_path / "q5.gguf"
+    gw = gguf.GGUFWriter(str(path), "llama")
+    gw.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0),
+                  raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    gw.write_header_to_file()
+    gw.write_kv_data_to_file()
+    gw.write_tensors_to_file()
+    gw.close()
+    gf = GGUFFile(str(path))
+    ref = gf.dequantize("blk.0.ffn_up.weight")
+    q, d = gf.q5_0_grid("blk.0.ffn_up.weight")
+    assert q.shape == (rows, cols) and q.max() == 31 and q.min() == 0 and (d < 0).any() and (d > 0).any()
+    mine = ((q.reshape(rows, -1, 32).astype(np.float32) - 16) * d[..., None]).reshape(rows, cols)
+    np.testing.assert_array_equal(mine, ref)  # the same arithmetic as gguf's
+    if not quant_vnni_available():
+        pytest.skip("Q5_0 tiles need the int8-activation kernels (AVX-512 VNNI or AVX2)")
+    lin = Q5BlockLinear(torch.from_numpy(q), torch.from_numpy(d))
+    assert lin.tiles.numel() == rows * cols * 11 // 16  # 5.5 bits a weight
+    assert torch.equal(unpack_q5_tiles(lin.tiles, rows, cols), torch.from_numpy(q))
+    stored = torch.from_numpy(ref)
+    assert torch.equal(lin.dequantize(), stored)  # no second rounding
+    for n in (1, 3, 17):
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        want = x.float() @ stored.T
+        got = lin(x).float()
+        # two int8 levels of activations (~16 bits) and a bf16 output
+        assert torch.allclose(got, want, rtol=1e-2, atol=4e-3 * want.abs().max().item())

@@ -31,6 +31,9 @@ SUPPORTED_QTYPES = {
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 }
 
+# Quantized types of more than 5 bits a weight other than Q5_0 (which has its own tiles)
+WIDE_QTYPES = {Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0}
+
 # llama.cpp tensor names -> Hugging Face Llama names (the names our model uses).
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -184,16 +187,34 @@ class GGUFFile:
         q = (qs & np.uint8(0x0F)).reshape(rows, cols)
         return q, dd.reshape(rows, cols // 32), mm.reshape(rows, cols // 32)
 
+    def q5_0_grid(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A Q5_0 tensor's own codes and scales, w = (q - 16) * d: q [N, K] uint8 (0..31: the
+        low nibble from qs, the fifth bit from qh) and d [N, K/32] float32 (the block's
+        float16); gguf's dequantization computes exactly this. None for other types."""
+        t = self.tensors[name]
+        if Q(t.tensor_type) != Q.Q5_0:
+            return None
+        rows, cols = (int(x) for x in reversed(t.shape))
+        return q5_0_codes(np.asarray(t.data), rows, cols)
+
     def int4_grids(self, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """hf_name -> (codes, d, m) for every Q4_K weight, rows in our order: int4 mode
         keeps these codes instead of rounding the dequantized floats a second time."""
+        return self._grids(cfg, self.int4_grid)
+
+    def q5_0_grids(self, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """hf_name -> (codes, d) for every Q5_0 weight, rows in our order: int4 mode keeps
+        them in Q5_0 tiles."""
+        return self._grids(cfg, self.q5_0_grid)
+
+    def _grids(self, cfg: ModelConfig, grid_of) -> dict:
         import torch
 
         permute = cfg.architecture in ("llama", "mistral")
         out = {}
         for gname in self.tensors:
             name = hf_name(gname)
-            grid = self.int4_grid(gname) if name is not None else None
+            grid = grid_of(gname) if name is not None else None
             if grid is None:
                 continue
             if permute and gname.endswith("attn_q.weight"):
@@ -203,6 +224,12 @@ class GGUFFile:
             out[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in grid)
         return out
 
+    def wide_weights(self) -> set[str]:
+        """hf_names of the weights stored in blocks of more than 5 bits (Q5_1, Q5_K, Q6_K,
+        Q8_0): int4 mode keeps them at 8 bits rather than rounding them to 4."""
+        return {hf_name(g) for g, t in self.tensors.items()
+                if Q(t.tensor_type) in WIDE_QTYPES and hf_name(g) is not None}
+
     def rope_freqs(self) -> torch.Tensor | None:
         """Llama 3.1-style per-frequency rope divisors, when the file stores them."""
         import torch
@@ -210,6 +237,19 @@ class GGUFFile:
         if "rope_freqs.weight" not in self.tensors:
             return None
         return torch.from_numpy(self.dequantize("rope_freqs.weight").copy())
+
+
+def q5_0_codes(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0 blocks (22 bytes per 32 weights: float16 d, 32 bits qh, 16 bytes qs) of a
+    [rows, cols] tensor -> codes q [rows, cols] uint8 (0..31) and d [rows, cols/32] float32,
+    w = (q - 16) * d."""
+    blocks = data.reshape(-1, 22)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    qh = blocks[:, 2:6].copy().view("<u4")  # bit j: weight j's fifth bit
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [blocks, 32]
+    qs = blocks[:, 6:22]  # weight j < 16 in qs[j]'s low nibble, weight 16 + j in its high one
+    low = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+    return (low | (high << np.uint8(4))).reshape(rows, cols), d.reshape(rows, cols // 32)
 
 
 def display_name(path: str) -> str:

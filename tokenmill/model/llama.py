@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention, row_view
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.quant import Int4Linear, Int8BlockLinear
+from tokenmill.model.quant import Int4Linear, Int8BlockLinear, Q5BlockLinear
 
 FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
 _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)  # the fused step's "no bias" for a matmul
@@ -197,7 +197,7 @@ class LlamaModel:
             self._fused, self._fused_cache = False, None
             lins = list(self.layer_linears())
             usable = (self.dtype == torch.bfloat16
-                      and all(isinstance(lin, (Int4Linear, Int8BlockLinear)) and lin._vnni is not None
+                      and all(isinstance(lin, (Int4Linear, Int8BlockLinear, Q5BlockLinear)) and lin._vnni is not None
                               and (lin.bias is None or lin.bias.dtype == torch.bfloat16)
                               for lin in lins))
             if usable:

@@ -19,11 +19,22 @@ from tokenmill.model.memory import pack_together
 from tokenmill.model.metadata import EMBEDDED_FILE, EMBEDDED_PACKAGE, default_model_path, load_metadata  # noqa: F401
 from tokenmill import logs
 from tokenmill.model import prepared
-from tokenmill.model.quant import (GROUP, QUANTIZATIONS, _int4_grid, output_projection, quant_vnni_available,
-                                  quantize_linear)
+from tokenmill.model.quant import (GROUP, QUANTIZATIONS, Int8BlockLinear, Q5BlockLinear, _int4_grid,
+                                  _tileable, output_projection, quant_vnni_available, quantize_linear)
 from tokenmill.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class StoredBlocks:
+    """What a GGUF file stores per weight (hf names), for int4 mode to keep: Q4_K codes
+    and grids (kept in int4 tiles), Q5_0 codes and scales (kept in Q5_0 tiles), and the
+    names of weights in blocks of more than 5 bits (kept at 8 bits, in Q8_0-style blocks:
+    a Q8_0 weight exactly, a Q6_K one within an eighth of its step)."""
+    int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    q5_0: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    wide: set[str]
 
 
 @dataclass
@@ -71,10 +82,11 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 rope_freqs: torch.Tensor | None = None, quantization: str = "none",
-                grids: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> LlamaModel:
+                stored: StoredBlocks | None = None) -> LlamaModel:
     """Check the weights strictly, fuse q/k/v and gate/up, and quantize linears if asked
-    (quantized linears compute in bfloat16, so the rest of the model does too). `grids`:
-    int4 codes the file stores (GGUFFile.int4_grids), kept by int4 mode."""
+    (quantized linears compute in bfloat16, so the rest of the model does too). `stored`:
+    the file's own blocks (GGUF), which int4 mode keeps rather than rounding to int4."""
+    grids = stored.int4 if stored is not None else None
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
     if quantization != "none":
@@ -99,7 +111,22 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
                names: tuple[str, ...] = ()):
         if quantization == "none":
             return DenseLinear(weight.to(dtype).contiguous(), bias)
-        return quantize_linear(quantization, weight, bias, precise, grid_of(names))
+        kept = kept_blocks(weight, bias, names)
+        return kept if kept is not None else quantize_linear(quantization, weight, bias, precise, grid_of(names))
+
+    def kept_blocks(weight: torch.Tensor, bias: torch.Tensor | None, names: tuple[str, ...]):
+        """int4 mode on the native kernels: a layer whose parts the file stores all as Q5_0
+        in Q5_0 tiles (the file's codes); one with parts in wider blocks (and the rest Q5_0)
+        in 8-bit blocks. None: int4 as usual."""
+        if quantization != "int4" or stored is None or not quant_vnni_available() or not _tileable(*weight.shape):
+            return None
+        if all(n in stored.q5_0 for n in names):
+            codes = torch.cat([stored.q5_0[n][0] for n in names])
+            d = torch.cat([stored.q5_0[n][1] for n in names])
+            return Q5BlockLinear(codes, d, bias)
+        if any(n in stored.wide for n in names) and all(n in stored.wide or n in stored.q5_0 for n in names):
+            return Int8BlockLinear(weight, bias, float_out=False)
+        return None
 
     def grid_of(names: tuple[str, ...]):
         """The fused rows' int4 grid when any part has the file's own: the others' derived
@@ -208,8 +235,10 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     else:
         weights = dict(gf.iter_state_dict(cfg))
         rope_freqs = gf.rope_freqs()
-    grids = gf.int4_grids(cfg) if quantization == "int4" and not os.path.isdir(path) else None
-    model = build_model(cfg, weights, torch_dtype, rope_freqs, quantization, grids)
+    stored = None
+    if quantization == "int4" and not os.path.isdir(path):
+        stored = StoredBlocks(gf.int4_grids(cfg), gf.q5_0_grids(cfg), gf.wide_weights())
+    model = build_model(cfg, weights, torch_dtype, rope_freqs, quantization, stored)
     if file:
         prepared.save(model, file)
         logs.say(f"prepared in {time.perf_counter() - t0:.1f} s")

@@ -12,6 +12,7 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool precise);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, bool float_out);
 torch::Tensor q8b_gemv(torch::Tensor x, torch::Tensor w, bool float_out);
+torch::Tensor q5_gemv(torch::Tensor x, torch::Tensor w, bool float_out);
 bool quant_gemv_vnni();
 torch::Tensor silu_mul(torch::Tensor gu);
 bool decode_attention_available();
@@ -40,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate-up projection's output");
   m.def("q4_gemv", &q4_gemv, "x @ int4 tiled weights with x quantized to int8 per group of 32 (few rows)");
   m.def("q8_gemv", &q8_gemv, "x @ int8 tiled weights with x quantized to int8 per group of 32 (few rows)");
+  m.def("q5_gemv", &q5_gemv, "x @ Q5_0 block tiles, x in two int8 levels per group of 16 (few rows)");
   m.def("q8b_gemv", &q8b_gemv, "x @ int8 block tiles (Q8_0 grid), x in two int8 levels per group of 16 (few rows)");
   m.def("quant_gemv_vnni", &quant_gemv_vnni, "whether q4_gemv/q8_gemv were built with AVX-512 VNNI");
   m.def("int8_gemv", &int8_gemv, "x [M, K] @ (int8 w [N, K] * scales[:, None]).T in float32, for a few rows");

@@ -14,6 +14,10 @@
 //         tile's 16 scales (64 bytes) ahead of its groups (512 bytes each).
 //   int8 blocks: w = (u - 128) * d, d float16 per (row, group) after each group's 512
 //         bytes of codes (544 bytes a group): GGUF's Q8_0.
+//   Q5_0 blocks: w = (q - 16) * d, q in 0..31: its low 4 bits as int4's nibbles (256
+//         bytes), its fifth bit in 4 x 16 bytes of bit planes (chunk c: 8 bytes for the
+//         low nibbles' codes, 8 for the high ones', bit i for byte i of the chunk), then
+//         the 16 rows' float16 d (352 bytes a group): GGUF's Q5_0, 5.5 bits a weight.
 // Scales ride inside the weight stream so that each thread reads one sequential stream
 // (the hardware prefetcher follows one stream better than two).
 // Activations: per row of x and 16 inputs, xq = round(x / dx) in -127..127 with
@@ -80,6 +84,15 @@ torch::Tensor q8b_gemv(torch::Tensor x, torch::Tensor w, bool float_out) {
   const int64_t K = x.size(1), N = w.size(0) * kTile;
   TORCH_CHECK(x.dim() == 2 && K % kGroup == 0 && w.size(1) == K / kGroup * 544, "shape mismatch");
   return gemv<3>(x, w, N, w.size(1), float_out);
+}
+
+// x [M, K] @ Q5_0 block tiles -> [M, N]; w uint8 [N/16, K/32 * 352]. Activations in
+// two int8 levels.
+torch::Tensor q5_gemv(torch::Tensor x, torch::Tensor w, bool float_out) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2, "w: uint8 tiles [N/16, K/32 * 352]");
+  const int64_t K = x.size(1), N = w.size(0) * kTile;
+  TORCH_CHECK(x.dim() == 2 && K % kGroup == 0 && w.size(1) == K / kGroup * 352, "shape mismatch");
+  return gemv<4>(x, w, N, w.size(1), float_out);
 }
 
 // x [M, K] @ int8 tiles -> [M, N]; w uint8 [N/16, 64 + K/32 * 512].

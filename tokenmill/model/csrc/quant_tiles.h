@@ -189,10 +189,13 @@ inline __m512i bcast4(const int8_t* p) {
 
 // One tile (16 output rows) for R rows of x starting at xrow. Precise: the activations'
 // second int8 level too (twice the dot products, still under the memory time at 1 row).
-template <int R, bool Precise>
+// Q5: GGUF's Q5_0 (kind 4): each code's fifth bit from the group's bit planes, and
+// m = -16 d.
+template <int R, bool Precise, bool Q5 = false>
 void q4_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512 out[R]) {
   const int64_t G = K / kGroup;
-  const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+  constexpr int64_t kGroupBytes = Q5 ? 352 : 320;
+  const __m512i lo_mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -201,11 +204,18 @@ void q4_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512
     for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
     if constexpr (Precise)
       for (int r = 0; r < R; ++r) lo_dot2[r] = hi_dot2[r] = _mm512_setzero_si512();
-    const uint8_t* wg = w + g * 320;
+    const uint8_t* wg = w + g * kGroupBytes;
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(wg + c * 64);
-      const __m512i lo = _mm512_and_si512(v, lo_mask);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+      __m512i lo = _mm512_and_si512(v, lo_mask);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+      if constexpr (Q5) {  // bit i of a plane: byte i of the chunk
+        uint64_t plo, phi;
+        std::memcpy(&plo, wg + 256 + c * 16, 8);
+        std::memcpy(&phi, wg + 256 + c * 16 + 8, 8);
+        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(plo), lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(phi), hi, sixteen);
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
         lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], lo, bcast4(xq.q.data() + xo));
@@ -216,9 +226,10 @@ void q4_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512
         }
       }
     }
-    const uint16_t* dmg = reinterpret_cast<const uint16_t*>(wg + 256);
+    const uint16_t* dmg = reinterpret_cast<const uint16_t*>(wg + (Q5 ? 320 : 256));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmg)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmg + 16)));
+    const __m512 m = Q5 ? _mm512_mul_ps(d, _mm512_set1_ps(-16.f))
+                        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmg + 16)));
     for (int r = 0; r < R; ++r) {
       const int64_t gi = (xrow + r) * G + g;
       const float* dx = xq.d.data() + 2 * gi;
@@ -315,11 +326,13 @@ void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m51
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-// Kind: 0 int8 (row scales), 1 int4, 2 int4 precise, 3 int8 blocks (Q8_0 grid, precise)
+// Kind: 0 int8 (row scales), 1 int4, 2 int4 precise, 3 int8 blocks (Q8_0 grid, precise),
+// 4 Q5_0 blocks (precise)
 template <int R, int Kind>
 void tile_rows(const uint8_t* w, const QuantX& xq, int64_t m0, int64_t K, __m512* out) {
   if constexpr (Kind == 0) q8_tile<R>(w, xq, m0, K, out);
   else if constexpr (Kind == 3) q8b_tile<R>(w, xq, m0, K, out);
+  else if constexpr (Kind == 4) q4_tile<R, true, true>(w, xq, m0, K, out);
   else q4_tile<R, Kind == 2>(w, xq, m0, K, out);
 }
 
@@ -366,10 +379,22 @@ inline __m256i dot_s8(__m256i aw, __m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
 }
 
+// 32 bits to 32 bytes: 16 where the bit is set, else 0 (bit i: byte i)
+inline __m256i avx2_bits_to_16s(uint32_t bits) {
+  // byte i takes byte i / 8 of the bits (shuffles stay in 128-bit lanes; each holds all 4)
+  const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), which), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
+}
+
 // One tile for R rows of x: out[2r + h] holds row r's outputs at tile rows 8h..8h+7.
-template <int R, bool Precise>
+// Q5: GGUF's Q5_0 (kind 4), as the AVX-512 tile.
+template <int R, bool Precise, bool Q5 = false>
 void q4_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256 out[2 * R]) {
   const int64_t G = K / kGroup;
+  constexpr int64_t kGroupBytes = Q5 ? 352 : 320;
   const __m256i lo_mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   // one 8-row half at a time over all groups: 16 ymm registers hold one half's
   // accumulators for 4 rows, not both halves' (1.27x at 512 rows, no slower at 1)
@@ -377,17 +402,24 @@ void q4_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = w + g * 320;
-      const uint16_t* dmg = reinterpret_cast<const uint16_t*>(wg + 256);
-      // int16 sums over the group's 4 chunks: at most 8 * 15 * 127, no overflow
+      const uint8_t* wg = w + g * kGroupBytes;
+      const uint16_t* dmg = reinterpret_cast<const uint16_t*>(wg + (Q5 ? 320 : 256));
+      // int16 sums over the group's 4 chunks: at most 8 * 31 * 127, no overflow
       __m256i lo16[R], hi16[R], lo16b[Precise ? R : 1], hi16b[Precise ? R : 1];
       for (int r = 0; r < R; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
       if constexpr (Precise)
         for (int r = 0; r < R; ++r) lo16b[r] = hi16b[r] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + h * 32));
-        const __m256i lo = _mm256_and_si256(v, lo_mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+        __m256i lo = _mm256_and_si256(v, lo_mask);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+        if constexpr (Q5) {  // this half's 32 bits of each plane
+          uint32_t plo, phi;
+          std::memcpy(&plo, wg + 256 + c * 16 + 4 * h, 4);
+          std::memcpy(&phi, wg + 256 + c * 16 + 8 + 4 * h, 4);
+          lo = _mm256_or_si256(lo, avx2_bits_to_16s(plo));
+          hi = _mm256_or_si256(hi, avx2_bits_to_16s(phi));
+        }
         for (int r = 0; r < R; ++r) {
           const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
           lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(lo, bcast4(xq.q.data() + xo)));
@@ -399,7 +431,8 @@ void q4_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dmg + 8 * h)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dmg + 16 + 8 * h)));
+      const __m256 m = Q5 ? _mm256_mul_ps(d, _mm256_set1_ps(-16.f))
+                          : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dmg + 16 + 8 * h)));
       for (int r = 0; r < R; ++r) {
         const int64_t gi = (xrow + r) * G + g;
         const float* dx = xq.d.data() + 2 * gi;
@@ -500,6 +533,7 @@ template <int R, int Kind>
 void tile_rows(const uint8_t* w, const QuantX& xq, int64_t m0, int64_t K, __m256* out) {
   if constexpr (Kind == 0) q8_tile<R>(w, xq, m0, K, out);
   else if constexpr (Kind == 3) q8b_tile<R>(w, xq, m0, K, out);
+  else if constexpr (Kind == 4) q4_tile<R, true, true>(w, xq, m0, K, out);
   else q4_tile<R, Kind == 2>(w, xq, m0, K, out);
 }
 
@@ -508,7 +542,7 @@ void tiles_range(const uint8_t* w, int64_t tile_bytes, const QuantX& xq, int64_t
                  int64_t t0, int64_t t1, Out* y) {
   // int4 with two-level activations keeps twice the accumulators: 2 rows at a time fit
   // the 16 registers (1.14x over 4 at 512 rows; int8 blocks gained nothing)
-  constexpr int64_t kRows = Kind == 2 ? 2 : 4;
+  constexpr int64_t kRows = Kind == 2 || Kind == 4 ? 2 : 4;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * tile_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
