@@ -37,3 +37,40 @@ def test_process_engine_serves_and_frees():
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_process_engine_child_loads_while_the_front_reads_metadata():
+    """The child is launched before the front parses the metadata, and start() waits for
+    that child rather than a second one; a bad model path leaves no child behind."""
+    import asyncio
+    import multiprocessing
+
+    from tokenmill.cli import engine_config
+    from tokenmill.engine.api import SamplingParams, make_engine
+
+    engine = make_engine(engine_config(None, "bfloat16", "int4", 0.25, 4, 256, None, 16, True, None), "process")
+    early = engine.pid
+    assert early is not None and engine.tokenizer is not None
+
+    async def run() -> str:
+        await engine.start()
+        try:
+            assert engine.pid == early
+            ids = engine.tokenizer.encode("The capital of France is")
+            text = ""
+            async for out in engine.generate("r", ids, SamplingParams(temperature=0.0, max_tokens=4)):
+                text += out.text
+            return text
+        finally:
+            await engine.stop()
+
+    assert "Paris" in asyncio.run(run())
+
+    bad = "/nonexistent/model.gguf"
+    with pytest.raises(Exception, match="not found"):
+        make_engine(engine_config(bad, "bfloat16", "int4", 0.25, 4, 256, None, 16, True, None), "process")
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()

@@ -107,11 +107,23 @@ class _Child:
 
 class ProcessEngine(EngineFront):
     def __init__(self, config: EngineConfig):
-        model_config, tokenizer = load_metadata(config.model.path)
-        super().__init__(tokenizer, model_config, config.bounds)
         self.config = config
         self._ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP threads
         self._child: _Child | None = None
+        # The child imports torch and loads the weights (seconds) while this process reads
+        # the metadata and builds the tokenizer (up to a second for a 150K vocabulary): a
+        # start costs the longer of the two, not their sum. Only from the main thread,
+        # whose exit is this process's (the kernel's parent-death signal follows the
+        # thread that forked); elsewhere the child starts in start().
+        early = self._launch() if threading.current_thread() is threading.main_thread() else None
+        try:
+            model_config, tokenizer = load_metadata(config.model.path)
+        except BaseException:
+            if early is not None:
+                self._close(early)
+                self._child = None
+            raise
+        super().__init__(tokenizer, model_config, config.bounds)
 
     @property
     def running(self) -> bool:
@@ -129,16 +141,22 @@ class ProcessEngine(EngineFront):
         self._stopping = False
         await self._spawn()
 
-    async def _spawn(self) -> None:
+    def _launch(self) -> _Child:
         ctx = self._ctx
         cmd_q, out_q = ctx.Queue(), ctx.Queue()
         theirs, ours = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child_main, args=(self.config, cmd_q, out_q, theirs, os.getpid()),
                            name="tokenmill-engine", daemon=True)
-        proc.start()  # from the event loop's thread: PDEATHSIG follows the thread that forked
+        proc.start()  # from the main or the event loop's thread: PDEATHSIG follows the thread that forked
         theirs.close()
         child = _Child(proc, cmd_q, out_q, ours)
         self._child = child
+        return child
+
+    async def _spawn(self) -> None:
+        child = self._child
+        if child is None or child.closed or child.reader is not None:  # none launched early, or a restart
+            child = self._launch()
         msg = await asyncio.to_thread(self._first_message, child)
         if msg[0] != "ready":
             self._close(child)

@@ -216,8 +216,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
         qtypes = {n: gf.qtype(n).name for n in gf.tensors}
     if quantization == "auto":
         quantization = file_quantization(qtypes)
-        kept = "the file's Q8_0 blocks" if quantization == "int8" else "4-bit blocks"
-        logs.say(f"{os.path.basename(path)}: weights run as {quantization} (--quantization auto: {kept})")
+        logs.say(f"{os.path.basename(path)}: weights run as {quantization} "
+                 f"(--quantization auto: {kept_description(quantization, qtypes)})")
     # Only quantized models are worth caching: a dense one is its file's tensors converted.
     file = None
     if quantization != "none":
@@ -243,6 +243,21 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
         prepared.save(model, file)
         logs.say(f"prepared in {time.perf_counter() - t0:.1f} s")
     return LoadedModel(model, tokenizer, cfg, path, qtypes, quantization)
+
+
+def kept_description(quantization: str, qtypes: dict[str, str] | None) -> str:
+    """What `auto` keeps of the file's blocks, as build_model will (for the start's log)."""
+    if quantization == "int8":
+        return "the file's Q8_0 blocks"
+    layer_types = {t for n, t in (qtypes or {}).items() if n.startswith("blk.") and "norm" not in n}
+    parts = ["4-bit blocks as int4"]
+    if quant_vnni_available():
+        if "Q5_0" in layer_types:
+            parts.append("Q5_0 as Q5_0")
+        wide = sorted(layer_types & {"Q5_1", "Q5_K", "Q6_K", "Q8_0"})
+        if wide:
+            parts.append(f"layers with {'/'.join(wide)} parts at 8 bits")
+    return ", ".join(parts)
 
 
 def file_quantization(qtypes: dict[str, str] | None) -> str:

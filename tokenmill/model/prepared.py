@@ -103,11 +103,13 @@ def cache_file(path: str, dtype: torch.dtype, quantization: str, vnni: bool) -> 
 
 
 def load(file: str) -> Any | None:
-    """The saved model, memory-mapped; None if missing or unreadable (then removed)."""
+    """The saved model, memory-mapped (the packed tiles are copied out into their huge-page
+    buffer; the rest is read from the page cache as it is first used, so a start reads no
+    bytes it does not need); None if missing or unreadable (then removed)."""
     if not os.path.exists(file):
         return None
     try:
-        return torch.load(file, mmap=False, weights_only=False)
+        return torch.load(file, mmap=True, weights_only=False)
     except Exception as exc:  # a truncated or foreign file: prepare again
         log.warning("prepared weights %s unreadable (%s: %s): preparing again", file, type(exc).__name__, exc)
         try:
