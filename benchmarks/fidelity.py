@@ -15,7 +15,6 @@ temperature 0 (its greedy path); it is built by benchmarks/peers.py (--server-on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -42,34 +41,10 @@ MODES = {
     "exact": ("float32", "none", "auto"),
     "bfloat16": ("bfloat16", "none", "auto"),
     "default": ("bfloat16", "auto", "auto"),  # the file's blocks: int4 for 4-bit files, int8 for Q8_0
-    "int4": ("bfloat16", "int4", "auto"),
+    "int4": ("bfloat16", "int4", "auto"),  # 4 bits everywhere, the file's 5-8-bit blocks rounded
     "int8": ("bfloat16", "int8", "auto"),
     "default+kv8": ("bfloat16", "auto", "int8"),
-    # ablation: int4 with the file's 5- to 8-bit blocks (Q5_0, Q6_K, Q8_0...) rounded to
-    # 4 bits instead of kept, as the loader did before it kept them
-    "int4-rounded": ("bfloat16", "int4", "auto"),
 }
-
-
-@contextlib.contextmanager
-def _blocks_rounded(name: str):
-    if name != "int4-rounded":
-        yield
-        return
-    from tokenmill.model.gguf_loader import GGUFFile
-
-    saved = GGUFFile.q5_0_grids, GGUFFile.wide_weights, os.environ.get("TOKENMILL_PREPARED_DIR")
-    GGUFFile.q5_0_grids = lambda self, cfg: {}
-    GGUFFile.wide_weights = lambda self: set()
-    os.environ["TOKENMILL_PREPARED_DIR"] = "off"  # never cache this model under the default's key
-    try:
-        yield
-    finally:
-        GGUFFile.q5_0_grids, GGUFFile.wide_weights = saved[:2]
-        if saved[2] is None:
-            os.environ.pop("TOKENMILL_PREPARED_DIR")
-        else:
-            os.environ["TOKENMILL_PREPARED_DIR"] = saved[2]
 
 
 @dataclass
@@ -101,9 +76,7 @@ def prompt_ids(gguf: str) -> list[list[int]]:
 def run_mode(name: str, gguf: str, ids: list[list[int]], max_tokens: int) -> Answers:
     dtype, quant, kv = MODES[name]
     t0 = time.perf_counter()
-    with _blocks_rounded(name):
-        loaded = load_model(gguf, dtype, quant)
-    llm = LLM(loaded,
+    llm = LLM(load_model(gguf, dtype, quant),
               config=EngineConfig(cache=CacheConfig(kv_cache_gb=0.5, kv_cache_dtype=kv)))
     res = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     texts = [r.outputs[0].text for r in res]

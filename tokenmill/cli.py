@@ -21,8 +21,9 @@ DTYPE_HELP = ("Compute dtype: float32 or bfloat16 (default). --dtype float32 alo
               "(no quantization); quantized weights compute in bfloat16.")
 QUANT_HELP = ("Weight-only quantization: auto, none, int8 or int4 (bfloat16 compute). The default, auto, keeps "
               "the file's blocks: int8 for a Q8_0 file, int4 for 4-bit ones and for float weights (the fastest "
-              "setting within 1% perplexity of float32, see benchmarks/quality.py); with --dtype float32 the "
-              "default is none.")
+              "setting within 1% perplexity of float32, see benchmarks/quality.py), and in a 4-bit file its "
+              "Q5_0 blocks as Q5_0 and its 6-8-bit ones (Q6_K, Q8_0) at 8 bits; int4 rounds every layer to 4 "
+              "bits (faster, less faithful); with --dtype float32 the default is none.")
 DEFAULT_DTYPE = "bfloat16"
 DEFAULT_QUANT = "auto"
 

@@ -212,3 +212,61 @@ def test_q5_0_blocks_are_kept_as_the_file_stores_them(tmp_path):
         got = lin(x).float()
         # two int8 levels of activations (~16 bits) and a bf16 output
         assert torch.allclose(got, want, rtol=1e-2, atol=4e-3 * want.abs().max().item())
+
+
+def test_auto_keeps_q5_0_and_wide_blocks_and_int4_rounds_them(tmp_path, monkeypatch):
+    """`--quantization auto` on a file of Q5_0 layers with a Q8_0 part keeps them (Q5_0
+    tiles; 8-bit blocks where a layer has the Q8_0 part); an explicit `int4` rounds every
+    layer to 4 bits, as it says, and the two are prepared and cached apart."""
+    import gguf
+    import numpy as np
+
+    from tokenmill.model.loader import load_model
+    from tokenmill.model.quant import Int4Linear, Int8BlockLinear, Q5BlockLinear, quant_vnni_available
+
+    if not quant_vnni_available():
+        pytest.skip("Q5_0 tiles need the int8-activation kernels (AVX-512 VNNI or AVX2)")
+    monkeypatch.setenv("TOKENMILL_PREPARED_DIR", str(tmp_path / "prepared"))
+    G = gguf.GGMLQuantizationType
+    hidden, ffn, vocab = 256, 512, 16
+    rng = np.random.default_rng(0)
+    path = tmp_path / "q5-model.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(ord("a") + i) for i in range(vocab)])
+
+    def add(name, rows, cols, qtype=G.Q5_0):
+        x = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", vocab, hidden, G.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+    add("blk.0.attn_q.weight", hidden, hidden)
+    add("blk.0.attn_k.weight", 128, hidden)
+    add("blk.0.attn_v.weight", 128, hidden, G.Q8_0)
+    add("blk.0.attn_output.weight", hidden, hidden)
+    add("blk.0.ffn_gate.weight", ffn, hidden)
+    add("blk.0.ffn_up.weight", ffn, hidden)
+    add("blk.0.ffn_down.weight", hidden, ffn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    auto = load_model(str(path), "bfloat16", "auto").model.layers[0]
+    assert isinstance(auto.qkv, Int8BlockLinear)  # q, k Q5_0 and v Q8_0: 8 bits
+    assert all(isinstance(lin, Q5BlockLinear) for lin in (auto.o_proj, auto.gate_up, auto.down))
+    int4 = load_model(str(path), "bfloat16", "int4").model.layers[0]
+    assert all(isinstance(lin, Int4Linear) for lin in (int4.qkv, int4.o_proj, int4.gate_up, int4.down))
+    assert len(list((tmp_path / "prepared").glob("*.pt"))) == 2
+    again = load_model(str(path), "bfloat16", "auto").model.layers[0]  # from the cache
+    assert isinstance(again.o_proj, Q5BlockLinear) and torch.equal(again.o_proj.tiles, auto.o_proj.tiles)

@@ -115,9 +115,9 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         return kept if kept is not None else quantize_linear(quantization, weight, bias, precise, grid_of(names))
 
     def kept_blocks(weight: torch.Tensor, bias: torch.Tensor | None, names: tuple[str, ...]):
-        """int4 mode on the native kernels: a layer whose parts the file stores all as Q5_0
-        in Q5_0 tiles (the file's codes); one with parts in wider blocks (and the rest Q5_0)
-        in 8-bit blocks. None: int4 as usual."""
+        """int4 mode chosen by `auto`, on the native kernels: a layer whose parts the file
+        stores all as Q5_0 in Q5_0 tiles (the file's codes); one with parts in wider blocks
+        (and the rest Q5_0) in 8-bit blocks. None: int4 as usual."""
         if quantization != "int4" or stored is None or not quant_vnni_available() or not _tileable(*weight.shape):
             return None
         if all(n in stored.q5_0 for n in names):
@@ -214,6 +214,9 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
         cfg = gf.model_config()
         tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
         qtypes = {n: gf.qtype(n).name for n in gf.tensors}
+    # `auto` keeps the file's 5- to 8-bit blocks (Q5_0 tiles, 8-bit blocks) where int4
+    # mode would round them; an explicit `int4` means 4 bits everywhere, as it says.
+    keep = quantization == "auto" and _keeps_blocks(qtypes)
     if quantization == "auto":
         quantization = file_quantization(qtypes)
         logs.say(f"{os.path.basename(path)}: weights run as {quantization} "
@@ -221,7 +224,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     # Only quantized models are worth caching: a dense one is its file's tensors converted.
     file = None
     if quantization != "none":
-        file = prepared.cache_file(path, torch.bfloat16, quantization, quant_vnni_available())
+        file = prepared.cache_file(path, torch.bfloat16, quantization + ("+blocks" if keep else ""),
+                                   quant_vnni_available())
     model = prepared.load(file) if file else None
     if model is not None:
         _pack_tiles(model)
@@ -237,7 +241,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
         rope_freqs = gf.rope_freqs()
     stored = None
     if quantization == "int4" and not os.path.isdir(path):
-        stored = StoredBlocks(gf.int4_grids(cfg), gf.q5_0_grids(cfg), gf.wide_weights())
+        stored = StoredBlocks(gf.int4_grids(cfg), gf.q5_0_grids(cfg) if keep else {},
+                              gf.wide_weights() if keep else set())
     model = build_model(cfg, weights, torch_dtype, rope_freqs, quantization, stored)
     if file:
         prepared.save(model, file)
@@ -245,16 +250,29 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     return LoadedModel(model, tokenizer, cfg, path, qtypes, quantization)
 
 
+_KEPT_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
+
+
+def _layer_types(qtypes: dict[str, str] | None) -> set[str]:
+    return {t for n, t in (qtypes or {}).items() if n.startswith("blk.") and "norm" not in n}
+
+
+def _keeps_blocks(qtypes: dict[str, str] | None) -> bool:
+    """Whether `auto` in int4 mode keeps any of the file's 5- to 8-bit blocks."""
+    return bool(_layer_types(qtypes) & _KEPT_TYPES) and file_quantization(qtypes) == "int4" \
+        and quant_vnni_available()
+
+
 def kept_description(quantization: str, qtypes: dict[str, str] | None) -> str:
     """What `auto` keeps of the file's blocks, as build_model will (for the start's log)."""
     if quantization == "int8":
         return "the file's Q8_0 blocks"
-    layer_types = {t for n, t in (qtypes or {}).items() if n.startswith("blk.") and "norm" not in n}
+    layer_types = _layer_types(qtypes)
     parts = ["4-bit blocks as int4"]
-    if quant_vnni_available():
+    if _keeps_blocks(qtypes):
         if "Q5_0" in layer_types:
             parts.append("Q5_0 as Q5_0")
-        wide = sorted(layer_types & {"Q5_1", "Q5_K", "Q6_K", "Q8_0"})
+        wide = sorted(layer_types & (_KEPT_TYPES - {"Q5_0"}))
         if wide:
             parts.append(f"layers with {'/'.join(wide)} parts at 8 bits")
     return ", ".join(parts)
