@@ -87,3 +87,24 @@ def test_auto_keeps_the_files_blocks(embedded_path, cache_dir):
     from tokenmill.model.quant import quant_vnni_available
 
     assert os.path.exists(prepared.cache_file(embedded_path, torch.bfloat16, "int4", quant_vnni_available()))
+
+
+def test_mapped_pages_let_go_after_the_copy_read_back_the_same(tmp_path):
+    """The prepared file is mapped; the packed weights' pages, once copied out, are let go
+    (tokenmill.model.memory.drop_mapped_pages): this process's resident file pages drop,
+    and the tensor still reads the file's bytes."""
+    from tokenmill.model.memory import drop_mapped_pages
+
+    def rss_file_kb() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+    t = torch.arange(16 << 20, dtype=torch.int32)  # 64 MiB
+    path = tmp_path / "t.pt"
+    torch.save({"t": t}, path)
+    mapped = torch.load(path, mmap=True)["t"]
+    assert torch.equal(mapped, t)  # every page touched
+    before = rss_file_kb()
+    drop_mapped_pages([mapped])
+    assert before - rss_file_kb() > 48 << 10
+    assert torch.equal(mapped, t)

@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
-from tokenmill.model.memory import pack_together
+from tokenmill.model.memory import drop_mapped_pages, pack_together
 # (re-exported: the metadata side needs no torch, so a server's front process never loads it)
 from tokenmill.model.metadata import EMBEDDED_FILE, EMBEDDED_PACKAGE, default_model_path, load_metadata  # noqa: F401
 from tokenmill import logs
@@ -182,12 +182,16 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     return model
 
 
-def _pack_tiles(model: LlamaModel) -> None:
+def _pack_tiles(model: LlamaModel, mapped: bool = False) -> None:
     """The small-batch kernels' packed weights, streamed whole every decode step: into one
-    huge-page buffer (tokenmill.model.memory)."""
+    huge-page buffer (tokenmill.model.memory). mapped: they were read from the prepared
+    file's mapping, whose copied pages are then let go."""
     packed = [lin for lin in model.linears() if getattr(lin, "tiles", None) is not None]
-    for lin, tiles in zip(packed, pack_together([lin.tiles for lin in packed])):
+    sources = [lin.tiles for lin in packed]
+    for lin, tiles in zip(packed, pack_together(sources)):
         lin.tiles = tiles
+    if mapped:
+        drop_mapped_pages(sources)
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
@@ -228,7 +232,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
                                    quant_vnni_available())
     model = prepared.load(file) if file else None
     if model is not None:
-        _pack_tiles(model)
+        _pack_tiles(model, mapped=True)
         return LoadedModel(model, tokenizer, cfg, path, qtypes, quantization)
     if file:
         logs.say(f"preparing {os.path.basename(path)} ({quantization}: dequantizing, requantizing, packing "

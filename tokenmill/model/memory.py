@@ -45,6 +45,7 @@ def hugepage_empty(nbytes: int) -> torch.Tensor:
     return buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
 
 
+_MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _POPULATE_SLICE = 4 << 20  # short holds of the map lock: the thread may be preempted in one
 
@@ -103,6 +104,26 @@ def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype, background: bool 
     if not (background and _populate_in_background(buf)):
         buf.zero_()
     return buf.view(dtype).view(shape)
+
+
+def drop_mapped_pages(tensors: list[torch.Tensor]) -> None:
+    """Unmap the pages that lie wholly inside each tensor (madvise MADV_DONTNEED), for
+    tensors read from a privately mapped, never written file and no longer needed: the
+    pages go back to the page cache instead of counting in this process's resident
+    memory (a re-read would read the file again). Never for anonymous memory, which the
+    call would zero."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = mmap.PAGESIZE
+    for t in tensors:
+        start = t.data_ptr()
+        first = (start + page - 1) // page * page
+        last = (start + t.numel() * t.element_size()) // page * page
+        if last > first:
+            madvise(first, last - first, _MADV_DONTNEED)
 
 
 def pack_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
