@@ -254,16 +254,19 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     return LoadedModel(model, tokenizer, cfg, path, qtypes, quantization)
 
 
-_KEPT_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
-
-
 def _layer_types(qtypes: dict[str, str] | None) -> set[str]:
     return {t for n, t in (qtypes or {}).items() if n.startswith("blk.") and "norm" not in n}
 
 
+def _wide_types() -> set[str]:
+    from tokenmill.model.gguf_loader import WIDE_QTYPES
+
+    return {t.name for t in WIDE_QTYPES}
+
+
 def _keeps_blocks(qtypes: dict[str, str] | None) -> bool:
     """Whether `auto` in int4 mode keeps any of the file's 5- to 8-bit blocks."""
-    return bool(_layer_types(qtypes) & _KEPT_TYPES) and file_quantization(qtypes) == "int4" \
+    return bool(_layer_types(qtypes) & ({"Q5_0"} | _wide_types())) and file_quantization(qtypes) == "int4" \
         and quant_vnni_available()
 
 
@@ -276,7 +279,7 @@ def kept_description(quantization: str, qtypes: dict[str, str] | None) -> str:
     if _keeps_blocks(qtypes):
         if "Q5_0" in layer_types:
             parts.append("Q5_0 as Q5_0")
-        wide = sorted(layer_types & (_KEPT_TYPES - {"Q5_0"}))
+        wide = sorted(layer_types & _wide_types())
         if wide:
             parts.append(f"layers with {'/'.join(wide)} parts at 8 bits")
     return ", ".join(parts)
