@@ -220,11 +220,12 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
         qtypes = {n: gf.qtype(n).name for n in gf.tensors}
     # `auto` keeps the file's 5- to 8-bit blocks (Q5_0 tiles, 8-bit blocks) where int4
     # mode would round them; an explicit `int4` means 4 bits everywhere, as it says.
-    keep = quantization == "auto" and _keeps_blocks(qtypes)
+    keep = False
     if quantization == "auto":
         quantization = file_quantization(qtypes)
+        keep = _keeps_blocks(quantization, qtypes)
         logs.say(f"{os.path.basename(path)}: weights run as {quantization} "
-                 f"(--quantization auto: {kept_description(quantization, qtypes)})")
+                 f"(--quantization auto: {kept_description(quantization, qtypes, keep)})")
     # Only quantized models are worth caching: a dense one is its file's tensors converted.
     file = None
     if quantization != "none":
@@ -264,19 +265,20 @@ def _wide_types() -> set[str]:
     return {t.name for t in WIDE_QTYPES}
 
 
-def _keeps_blocks(qtypes: dict[str, str] | None) -> bool:
-    """Whether `auto` in int4 mode keeps any of the file's 5- to 8-bit blocks."""
-    return bool(_layer_types(qtypes) & ({"Q5_0"} | _wide_types())) and file_quantization(qtypes) == "int4" \
-        and quant_vnni_available()
+def _keeps_blocks(quantization: str, qtypes: dict[str, str] | None) -> bool:
+    """Whether `auto`, resolved to `quantization`, keeps any of the file's 5- to 8-bit
+    blocks (int4 mode on the native kernels only)."""
+    return (quantization == "int4" and bool(_layer_types(qtypes) & ({"Q5_0"} | _wide_types()))
+            and quant_vnni_available())
 
 
-def kept_description(quantization: str, qtypes: dict[str, str] | None) -> str:
+def kept_description(quantization: str, qtypes: dict[str, str] | None, keep: bool) -> str:
     """What `auto` keeps of the file's blocks, as build_model will (for the start's log)."""
     if quantization == "int8":
         return "the file's Q8_0 blocks"
     layer_types = _layer_types(qtypes)
     parts = ["4-bit blocks as int4"]
-    if _keeps_blocks(qtypes):
+    if keep:
         if "Q5_0" in layer_types:
             parts.append("Q5_0 as Q5_0")
         wide = sorted(layer_types & _wide_types())

@@ -65,15 +65,23 @@ def _idle_priority() -> None:
             pass
 
 
+def _libc_madvise():
+    """libc's madvise(addr, length, advice) for raw addresses; None where it cannot be reached."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
 def _populate_in_background(buf: torch.Tensor) -> bool:
     """Fault buf's pages in from a daemon thread with madvise(MADV_POPULATE_WRITE), which
     maps them writable without writing them: the owner may use the buffer meanwhile, and
     its contents stay the mapping's zeros. False where libc cannot be reached."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    madvise = _libc_madvise()
+    if madvise is None:
         return False
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     addr, size = buf.data_ptr(), buf.numel() * buf.element_size()
 
     def populate() -> None:
@@ -112,11 +120,9 @@ def drop_mapped_pages(tensors: list[torch.Tensor]) -> None:
     pages go back to the page cache instead of counting in this process's resident
     memory (a re-read would read the file again). Never for anonymous memory, which the
     call would zero."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    madvise = _libc_madvise()
+    if madvise is None:
         return
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     page = mmap.PAGESIZE
     for t in tensors:
         start = t.data_ptr()
