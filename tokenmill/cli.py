@@ -165,6 +165,10 @@ def _serve(
     port: int = typer.Option(8000, "--port"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model id to serve (default: the model's name)."),
+    chat_template: Optional[str] = typer.Option(
+        None, "--chat-template", help="A Jinja chat template file to use instead of the model's own (as "
+                                      "transformers renders it; one that mentions `tools` gets the request's "
+                                      "tools and tool calls as they are)."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb",
                                                 help="KV cache size (default: 1/4 of free memory, max 2 GiB)."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
@@ -280,6 +284,7 @@ def _serve(
 
     if log_format not in ("text", "json"):
         _fail(f"--log-format must be text or json, got {log_format!r}")
+    template_source = _read_chat_template(chat_template) if chat_template is not None else None
     configure_logging(log_level, log_format)
     log = logging.getLogger("tokenmill.server")
     tracer_provider = None
@@ -358,9 +363,27 @@ def _serve(
     if engine.tokenizer is None:
         _fail("this model has no tokenizer; the server needs one")
     server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name,
-                                 shutdown_timeout_s=shutdown_timeout)
+                                 shutdown_timeout_s=shutdown_timeout, chat_template=template_source)
     app_ = build_app(engine, server_config, policy, tracer_provider=tracer_provider, autotune=autotune)
     run_server(app_, host, port, shutdown_timeout, log_level.lower(), own_logging=log_format == "json")
+
+
+def _read_chat_template(path: str) -> str:
+    """The template file's text, compiled once here so that a missing or broken file stops
+    the command before the model loads."""
+    from jinja2 import TemplateError
+
+    from tokenmill.model.tokenizer import ChatTemplate
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        ChatTemplate(source, None, None)
+    except OSError as exc:
+        _fail(f"--chat-template: cannot read {path}: {exc.strerror}")
+    except (TemplateError, UnicodeDecodeError) as exc:
+        _fail(f"--chat-template: {path} is not a valid Jinja template: {exc}")
+    return source
 
 
 serve = app.command("serve")(_command(

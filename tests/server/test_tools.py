@@ -4,10 +4,11 @@ their own, then tools + tool_choice through the live server with the openai SDK.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, ServerProcess
 from tokenmill.engine.api import InvalidParameter
 from tokenmill.engine.structured.grammar import validate
 from tokenmill.server import tools as T
@@ -51,10 +52,47 @@ def test_stream_parser_matches_whole_parse():
         for i in range(0, len(text), size):
             c, new = p.feed(text[i:i + size])
             content, calls = content + c, calls + new
-        content += p.finish()
+        rest, late = p.finish()
+        content, calls = content + rest, calls + late
         assert content.strip() == "Sure" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 5, "b": 7}')]
     p = T.StreamParser(by_name)
-    assert p.feed("a < b <tool")[0] == "a < b " and p.finish() == "<tool"  # a tag prefix that never became one
+    assert p.feed("a < b <tool")[0] == "a < b " and p.finish() == ("<tool", [])  # a tag prefix, never a tag
+
+
+BARE = [  # what models without the tags write (Qwen2.5-Coder: a fenced JSON call), and near misses
+    ('```json\n{\n  "name": "add",\n  "arguments": {"a": 1, "b": 2}\n}\n```', None, [("add", {"a": 1, "b": 2})]),
+    ('I will add them.\n```\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```\n', "I will add them.",
+     [("add", {"a": 1, "b": 2})]),
+    (' {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}', None,
+     [("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+    ('[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": {"a": 3, "b": 4}}]', None,
+     [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
+    ('{"name": "nope", "arguments": {}}', '{"name": "nope", "arguments": {}}', []),  # not a tool
+    ('[{"name": "add", "arguments": {"a": 1, "b": 2}}, 3]', '[{"name": "add", "arguments": {"a": 1, "b": 2}}, 3]', []),
+    ('{"a": 1}', '{"a": 1}', []),
+    ('Use this:\n```python\nadd(1, 2)\n```', 'Use this:\n```python\nadd(1, 2)\n```', []),
+    ('```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```\nand more', None, []),  # not only the fence
+    ('Plain answer, no JSON.', 'Plain answer, no JSON.', []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", BARE)
+def test_bare_and_fenced_calls_parse_whole_and_streamed_alike(text, content, calls):
+    by_name = T.check_tools(TOOLS, "auto")
+    if calls == [] and content is None:
+        content = text
+    got_content, got = T.parse_calls(text, by_name)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    for size in (1, 2, 5, len(text)):
+        p = T.StreamParser(by_name)
+        streamed, scalls = "", []
+        for i in range(0, len(text), size):
+            c, new = p.feed(text[i:i + size])
+            streamed, scalls = streamed + c, scalls + new
+        rest, late = p.finish()
+        streamed, scalls = streamed + rest, scalls + late
+        assert [(c.name, c.arguments) for c in scalls] == [(c.name, c.arguments) for c in got], size
+        assert (streamed.strip() or None) == (got_content.strip() if got_content else None), size
 
 
 def test_render_messages_puts_tools_in_the_system_prompt():
@@ -68,6 +106,27 @@ def test_render_messages_puts_tools_in_the_system_prompt():
     assert out[2] == {"role": "assistant", "content":
                       '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'}
     assert out[3] == {"role": "user", "content": "<tool_response>\n5\n</tool_response>"}
+
+
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "data", "chatml_tools.jinja")
+HISTORY = [{"role": "user", "content": "What is 2 + 3? Use the add tool."},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+
+
+def test_a_template_with_a_tools_branch_gets_calls_arguments_as_objects():
+    from tokenmill.model.tokenizer import ChatTemplate
+
+    msgs = [{**m, "content": m["content"] or ""} for m in HISTORY]
+    out = T.template_messages(msgs)
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 3}
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 2, "b": 3}'  # the request is not changed
+    broken = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": "{a"}}]}]
+    assert T.template_messages(broken) == broken  # shown as the client wrote it
+    text = ChatTemplate(open(TEMPLATE).read(), None, None).render(out, True, TOOLS)
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
+    assert json.dumps(WEATHER) in text and text.endswith("<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("tools,choice,param", [
@@ -169,3 +228,85 @@ def test_bad_tool_requests_are_400(client, extra, param):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                        extra_body=extra)
     assert exc.value.body["param"] == param, exc.value.body
+
+
+# -- a chat template with a tools branch (--chat-template) -----------------------------------
+@pytest.fixture(scope="module")
+def templated():
+    srv = ServerProcess("--chat-template", TEMPLATE).wait_ready()
+    yield srv
+    srv.stop()
+
+
+def test_served_template_renders_tools_and_history_itself(templated, embedded_path):
+    """The prompt the server ran is the file's rendering of the tools and of the history
+    with the call's arguments as an object: its token count says which text it was."""
+    openai = pytest.importorskip("openai")
+    from tokenmill.model.metadata import load_metadata
+    from tokenmill.model.tokenizer import ChatTemplate
+
+    client = openai.OpenAI(base_url=templated.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, max_tokens=8, temperature=0)
+    _, tok = load_metadata(embedded_path)
+    template = ChatTemplate(open(TEMPLATE).read(), None, None)
+    msgs = [{**m, "content": m["content"] or ""} for m in HISTORY]
+    right = template.render(T.template_messages(msgs), True, TOOLS)
+    twice_encoded = template.render(msgs, True, TOOLS)
+    assert len(tok.encode(right, add_special_tokens=False)) != len(tok.encode(twice_encoded, add_special_tokens=False))
+    assert r.usage.prompt_tokens == len(tok.encode(right, add_special_tokens=False))
+    own = tok.apply_chat_template([{"role": "user", "content": "hi"}])  # the model's template is not this one
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert r.usage.prompt_tokens == len(tok.encode(template.render([{"role": "user", "content": "hi"}], True),
+                                                   add_special_tokens=False))
+    assert own != template.render([{"role": "user", "content": "hi"}], True)
+
+
+def test_served_template_forced_call_is_valid(templated):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=templated.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    r = _ask(client, tool_choice="required", temperature=0, parallel_tool_calls=False)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    _check_call(c.message.tool_calls[0])
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read"),
+    ("{% for m in messages %}{{ m.content }}", "is not a valid Jinja template"),
+])
+def test_a_bad_chat_template_stops_the_server_before_loading(tmp_path, content, message):
+    path = tmp_path / "t.jinja"
+    if content is not None:
+        path.write_text(content)
+    srv = ServerProcess("--chat-template", str(path))
+    assert srv.proc.wait(timeout=60) != 0
+    out = srv.stop()
+    assert "--chat-template" in out and message in out, out
+
+
+def test_call_tags_that_are_tokens_are_named_as_tokens(embedded_path):
+    """Qwen2.5's vocabulary has <tool_call> and </tool_call> as added tokens, which
+    llguidance takes as special: a grammar that spells the tag as a string lets the
+    model's tag token through the mask and then rejects it (the request ended after one
+    token). Here SmolLM2's tokenizer with the two tags added stands in for Qwen's."""
+    import numpy as np
+    from tokenizers import AddedToken
+
+    from tokenmill.engine.structured.matchers import GrammarMatchers
+    from tokenmill.model.metadata import load_metadata
+
+    _, tok = load_metadata(embedded_path)
+    assert not T.tags_are_tokens(tok)  # SmolLM2 spells the tags in pieces
+    tok.hf.add_tokens([AddedToken(T.CALL_OPEN, special=False, normalized=False),
+                       AddedToken(T.CALL_CLOSE, special=False, normalized=False)])
+    assert T.tags_are_tokens(tok)
+    open_id, close_id = (tok.encode(t, add_special_tokens=False)[0] for t in (T.CALL_OPEN, T.CALL_CLOSE))
+    by_name = T.check_tools(TOOLS, "required")
+    grammars = GrammarMatchers(tok, close_id + 1, tok.eos_token_ids)
+    body = tok.encode('\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n', add_special_tokens=False)
+    grammars.add("call", T.call_grammar(by_name, ["add"], parallel=False, tag_tokens=True))
+    allowed = np.unpackbits(grammars.fill_bitmask(["call"]).view(np.uint8), axis=1, bitorder="little")[0]
+    assert np.flatnonzero(allowed).tolist() == [open_id]
+    for t in [open_id, *body]:
+        assert not grammars.accept("call", t)
+    assert grammars.accept("call", close_id)  # complete: the call is whole

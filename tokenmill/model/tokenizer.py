@@ -6,6 +6,7 @@ and token types in the file, the same way transformers does, so ids agree.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from datetime import datetime
@@ -95,8 +96,8 @@ class Tokenizer:
         self.special_ids = frozenset(
             tid for tid, tok in hf.get_added_tokens_decoder().items() if tok.special
         )
-        bos = hf.id_to_token(bos_token_id) if bos_token_id is not None else None
-        eos = hf.id_to_token(eos_token_ids[0]) if eos_token_ids else None
+        bos = self._token(bos_token_id)
+        eos = self._token(eos_token_ids[0] if eos_token_ids else None)
         self.chat_template = ChatTemplate(chat_template, bos, eos) if chat_template else None
 
     # -- encoding / decoding -------------------------------------------------------------
@@ -116,6 +117,19 @@ class Tokenizer:
         if all(c in inverse for c in tok):
             return bytes(inverse[c] for c in tok)
         return tok.encode("utf-8")
+
+    def with_chat_template(self, source: str) -> "Tokenizer":
+        """This tokenizer with another chat template (a server's `--chat-template`); the
+        template is compiled here, so a broken one fails at start, not on a request."""
+        twin = copy.copy(self)
+        own = self.chat_template
+        bos = own.bos_token if own else self._token(self.bos_token_id)
+        eos = own.eos_token if own else self._token(self.eos_token_ids[0] if self.eos_token_ids else None)
+        twin.chat_template = ChatTemplate(source, bos, eos)
+        return twin
+
+    def _token(self, token_id: int | None) -> str | None:
+        return self.hf.id_to_token(token_id) if token_id is not None else None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:

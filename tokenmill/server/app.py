@@ -47,6 +47,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # default: the model's own name
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    chat_template: str | None = None  # a Jinja source replacing the model's own template
 
 
 @dataclass
@@ -252,8 +253,11 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     if autotune is not None:
         tuner = Autotuner(autotune.slo, engine, gate, telemetry.stats, metrics, autotune.ceiling,
                           interval_s=autotune.interval_s, hold_s=autotune.hold_s)
-    chat = ServingChat(engine, engine.tokenizer, model_name, metrics)
-    completion = ServingCompletion(engine, engine.tokenizer, model_name, metrics)
+    tokenizer = engine.tokenizer
+    if config.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(config.chat_template)
+    chat = ServingChat(engine, tokenizer, model_name, metrics)
+    completion = ServingCompletion(engine, tokenizer, model_name, metrics)
 
     runner = None
     if policy.batch_store is not None:

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from tokenmill.engine.api import InvalidParameter, RequestBounds, SamplingParams, StructuredOutput
 from tokenmill.server import tools as tool_calls
@@ -199,6 +199,12 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    # set by the server from its tokenizer: the call tags are tokens of their own
+    _tag_tokens: bool = PrivateAttr(default=False)
+
+    def for_tokenizer(self, tag_tokens: bool) -> "ChatCompletionRequest":
+        self._tag_tokens = tag_tokens
+        return self
 
     @property
     def tools_active(self) -> bool:
@@ -220,7 +226,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidParameter(param, f"{param} conflicts with tool_choice {self.tool_choice!r}: "
                                           "the output can follow one constraint")
         parallel = self.tool_choice == "required" and self.parallel_tool_calls is not False
-        return tool_calls.call_grammar(by_name, names, parallel), "tools"
+        return tool_calls.call_grammar(by_name, names, parallel, self._tag_tokens), "tools"
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

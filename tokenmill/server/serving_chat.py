@@ -19,6 +19,8 @@ from tokenmill.server.serving import (BaseServing, RequestContext, SpecTally, js
 
 
 class ServingChat(BaseServing):
+    _tag_tokens: bool | None = None  # tools.tags_are_tokens of this tokenizer, found on first use
+
     async def create(self, body: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         if not body.stream:
             return json_response(await run_until_disconnected(raw, self.complete(body, ctx)))
@@ -49,15 +51,19 @@ class ServingChat(BaseServing):
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
         ids = await self.encode(text, "messages", add_special_tokens=False)
+        if self._tag_tokens is None:
+            self._tag_tokens = tool_calls.tags_are_tokens(self.tokenizer)
+        body.for_tokenizer(self._tag_tokens)
         return ids, self.prepare(ctx, [ids], body.sampling_params(), body.param_renames())
 
     def _with_tools(self, body: ChatCompletionRequest, messages: list[dict[str, Any]]):
-        """(messages, tools) for the template: as they are if it has a tools branch, else
-        the tools, tool calls and tool results rendered as text (tokenmill/server/tools.py)."""
+        """(messages, tools) for the template: as they are if it has a tools branch (calls'
+        arguments as objects), else the tools, tool calls and tool results rendered as text
+        (tokenmill/server/tools.py)."""
         tools = body.tools if body.tools_active else None
         template = self.tokenizer.chat_template
         if tool_calls.template_has_tools(template.source if template is not None else None):
-            return messages, tools
+            return tool_calls.template_messages(messages), tools
         return tool_calls.render_messages(messages, tools), None
 
     @staticmethod
@@ -138,7 +144,9 @@ class ServingChat(BaseServing):
                 p = parsers[out.index]
                 n_before = len(p.calls)
                 text, calls = p.feed(out.text)
-                text += p.finish() if out.finished else ""
+                if out.finished:
+                    rest, late = p.finish()
+                    text, calls = text + rest, calls + late
                 delta: dict[str, Any] = {"content": text} if text else {}
                 if calls:
                     delta["tool_calls"] = [{"index": n_before + k, **c.as_dict()} for k, c in enumerate(calls)]

@@ -26,7 +26,8 @@ An earlier assistant turn's `tool_calls` are rendered the same way (after its
 content, if any), and a `role: "tool"` message becomes a user turn holding
 `<tool_response>\\n{content}\\n</tool_response>` (its tool_call_id is not shown). A
 template that has a tools branch (it mentions `tools`) gets the tools and the
-messages as they are.
+messages as they are, except that an earlier call's `arguments` string is given as the
+object it encodes (the templates write it with `tojson`).
 
 ## tool_choice
 
@@ -116,21 +117,67 @@ def forced_names(by_name: dict[str, dict[str, Any]], tool_choice: Any) -> list[s
     return None
 
 
-def call_grammar(by_name: dict[str, dict[str, Any]], names: list[str], parallel: bool) -> StructuredOutput:
+def call_grammar(by_name: dict[str, dict[str, Any]], names: list[str], parallel: bool,
+                 tag_tokens: bool = False) -> StructuredOutput:
     """A Lark grammar: one `<tool_call>` block (several with `parallel`) whose JSON is
-    {"name": one of names, "arguments": that function's parameters}."""
+    {"name": one of names, "arguments": that function's parameters}. `tag_tokens`: the
+    vocabulary has the tags as tokens of their own (Qwen2.5's), which the grammar must
+    name as tokens: llguidance takes such added tokens as special, and a special token
+    never matches a literal string (see `tags_are_tokens`)."""
     branches = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                  "properties": {"name": {"const": n},
                                 "arguments": by_name[n].get("parameters") or {"type": "object"}}}
                 for n in names]
     schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
-    call = f'"{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"'
+    open_, close = (CALL_OPEN, CALL_CLOSE) if tag_tokens else (f'"{CALL_OPEN}"', f'"{CALL_CLOSE}"')
+    call = f'{open_} "\\n" %json {json.dumps(schema)} "\\n" {close}'
     start = "start: call (\"\\n\" call)*" if parallel and len(names) else "start: call"
     return StructuredOutput("grammar", f"{start}\ncall: {call}\n")
 
 
+def tags_are_tokens(tokenizer: Any) -> bool:
+    """Whether `<tool_call>` and `</tool_call>` are each one added token of this
+    tokenizer (Qwen2.5: ids 151657 and 151658), rather than spelled in pieces."""
+    added = tokenizer.hf.get_added_tokens_decoder()
+    for tag in (CALL_OPEN, CALL_CLOSE):
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) != 1 or ids[0] not in added:
+            return False
+    return True
+
+
 def template_has_tools(template_source: str | None) -> bool:
     return bool(template_source) and "tools" in template_source
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template with a tools branch: each earlier call's `arguments`, a
+    JSON string in the OpenAI API, as the object it encodes. Templates write it with
+    `| tojson` (Qwen2.5's, Hermes-style ones, as transformers renders them); the string
+    itself would reach the model encoded twice, a quoted string where it wrote an object."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = []
+            for tc in m["tool_calls"]:
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if isinstance(fn, dict) and "arguments" in fn:
+                    tc = {**tc, "function": {**fn, "arguments": _arguments_object(fn["arguments"])}}
+                calls.append(tc)
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def _arguments_object(args: Any) -> Any:
+    """A call's arguments as an object when they are a JSON string of one; anything else
+    as it came (a client's malformed history is shown to the model as written)."""
+    if not isinstance(args, str):
+        return args
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args
 
 
 def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -143,12 +190,8 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
             blocks = [m["content"]] if m.get("content") else []
             for tc in m["tool_calls"]:
                 fn = tc.get("function") or {}
-                args = fn.get("arguments", "{}")
-                try:
-                    args_obj = json.loads(args) if isinstance(args, str) else args
-                except ValueError:
-                    args_obj = args
-                blocks.append(f"{CALL_OPEN}\n{json.dumps({'name': fn.get('name'), 'arguments': args_obj})}\n"
+                args = _arguments_object(fn.get("arguments", "{}"))
+                blocks.append(f"{CALL_OPEN}\n{json.dumps({'name': fn.get('name'), 'arguments': args})}\n"
                               f"{CALL_CLOSE}")
             out.append({"role": "assistant", "content": "\n".join(blocks)})
         elif role in ("tool", "function"):
@@ -168,7 +211,8 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
 def parse_calls(text: str, by_name: dict[str, dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from what the model wrote: every complete `<tool_call>` block
     holding {"name": a known tool, "arguments": an object} is a call; the text before
-    the first block is the content. With no valid block, the whole text is content."""
+    the first block is the content. With no such block, a reply that ends in a bare call
+    (see `bare_calls`) is one. With neither, the whole text is content."""
     calls: list[ToolCall] = []
     first = None
     pos = 0
@@ -185,9 +229,50 @@ def parse_calls(text: str, by_name: dict[str, dict[str, Any]]) -> tuple[str | No
             first = i if first is None else first
         pos = j + len(CALL_CLOSE)
     if not calls:
-        return text, []
+        start = _bare_start(text)
+        calls = bare_calls(text[start:], by_name) if start is not None else []
+        if not calls:
+            return text, []
+        first = start
     content = text[:first].strip()
     return content or None, calls
+
+
+FENCE = "```"
+
+
+def _bare_start(text: str) -> int | None:
+    """Where a bare call could begin: the reply's first character when that opens a JSON
+    object or array, else its first code fence."""
+    stripped = text.lstrip()
+    if stripped[:1] in ("{", "["):
+        return len(text) - len(stripped)
+    i = text.find(FENCE)
+    return i if i >= 0 else None
+
+
+def bare_calls(text: str, by_name: dict[str, dict[str, Any]]) -> list[ToolCall]:
+    """Calls written without the tags: the text is one JSON call object (or an array of
+    them), alone or as the only thing in a code fence (```json ... ```). Models that
+    were not trained on the tags answer so (Qwen2.5-Coder writes a fenced JSON call for
+    a tool it wants); llama.cpp's Hermes parser accepts the same. All or nothing: one
+    element that is not a call of a known tool and the text stays content."""
+    body = text.strip()
+    if body.startswith(FENCE):
+        if not body.endswith(FENCE) or len(body) < 2 * len(FENCE):
+            return []
+        body = body[len(FENCE):-len(FENCE)]
+        newline = body.find("\n")
+        if newline < 0 or not body[:newline].strip() in ("", "json"):
+            return []
+        body = body[newline + 1:]
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return []
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_call_from(o, by_name) for o in items]
+    return calls if calls and all(c is not None for c in calls) else []
 
 
 def _one_call(body: str, by_name: dict[str, dict[str, Any]]) -> ToolCall | None:
@@ -195,6 +280,10 @@ def _one_call(body: str, by_name: dict[str, dict[str, Any]]) -> ToolCall | None:
         obj = json.loads(body)
     except ValueError:
         return None
+    return _call_from(obj, by_name)
+
+
+def _call_from(obj: Any, by_name: dict[str, dict[str, Any]]) -> ToolCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in by_name:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -206,12 +295,17 @@ def _one_call(body: str, by_name: dict[str, dict[str, Any]]) -> ToolCall | None:
 class StreamParser:
     """Splits a stream of text deltas into content deltas and completed tool calls.
     Content is released as it comes, except text that could still be the start of a
-    `<tool_call>` tag; from the first tag on, text is held until its block closes."""
+    `<tool_call>` tag; from the first tag on, text is held until its block closes. A
+    reply that opens with a JSON object or array, or text from a code fence on, is held
+    to the end, where it is a bare call (`bare_calls`) or released as content: so the
+    stream splits a reply exactly as `parse_calls` splits it whole."""
 
     def __init__(self, by_name: dict[str, dict[str, Any]]):
         self.by_name = by_name
         self.buf = ""
         self.in_calls = False  # a tag was seen: no more content is streamed
+        self.held = False  # a possible bare call: held to the end
+        self.sent = False  # some content went out (a JSON opening then is not the reply's first)
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -221,8 +315,17 @@ class StreamParser:
         if not self.in_calls:
             i = self.buf.find(CALL_OPEN)
             if i < 0:
-                keep = _partial_tag_len(self.buf)
+                if self.held:
+                    return "", []
+                if not self.sent and self.buf.lstrip()[:1] in ("{", "["):
+                    self.held = True
+                    return "", []
+                fence = self.buf.find(FENCE)
+                keep = len(self.buf) - fence if fence >= 0 else max(_partial_len(self.buf, CALL_OPEN),
+                                                                     _partial_len(self.buf, FENCE))
+                self.held = fence >= 0
                 content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                self.sent = self.sent or bool(content.strip())
                 return content, []
             content, self.buf = self.buf[:i], self.buf[i:]
             self.in_calls = True
@@ -239,16 +342,21 @@ class StreamParser:
         self.calls += new
         return content, new
 
-    def finish(self) -> str:
-        """What is left as content at the end (a tag prefix, or an unfinished block when
-        no call was made)."""
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(what is left as content, calls found only now) at the end: a held bare call,
+        or a tag prefix, or an unfinished block when no call was made, as content."""
         rest, self.buf = self.buf, ""
-        return "" if self.calls else rest
+        if self.held and not self.in_calls:
+            late = bare_calls(rest, self.by_name)
+            if late:
+                self.calls += late
+                return "", late
+        return ("" if self.calls else rest), []
 
 
-def _partial_tag_len(text: str) -> int:
-    """The length of the longest suffix of text that is a proper prefix of CALL_OPEN."""
-    for n in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if CALL_OPEN.startswith(text[-n:]):
+def _partial_len(text: str, tag: str) -> int:
+    """The length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
