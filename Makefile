@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench install clean model-qwen
+.PHONY: test-real serve test bench install clean model-qwen
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ model-qwen: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The tests that run an installed real model (not CI): Qwen2.5-Coder-0.5B, installed first
+test-real: model-qwen
+	$(BIN)/python -m pytest -q --real-model -m real_model $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

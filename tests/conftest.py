@@ -10,6 +10,21 @@ import torch
 torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--real-model", action="store_true",
+                     help="also run the tests marked real_model (installed models such as qwen2.5-coder-0.5b; "
+                          "not CI: make test-real)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--real-model"):
+        return
+    skip = pytest.mark.skip(reason="needs --real-model (make test-real)")
+    for item in items:
+        if "real_model" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def embedded_path() -> str:
     from tokenmill.model.loader import default_model_path
