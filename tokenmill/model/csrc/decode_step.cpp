@@ -473,7 +473,7 @@ class DecodeModel {
         float* vsc = vs_.empty() ? nullptr : vs_[l].data_ptr<float>();
         // qkv, split by heads so each thread ropes and caches the heads it computed
         {
-          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[0].kind >= 2);
+          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[0].kind);
           const auto [h0_, h1_] = share(H + 2 * Hkv, tid, nt);
           mm(w[0], xq, h0_ * D / 16, h1_ * D / 16, qkv.data());
           add_bias(w[0], h0_ * D, h1_ * D, qkv.data());
@@ -519,7 +519,7 @@ class DecodeModel {
         const BF16* attn_in = attn_rows.data();
 #endif
         {
-          const QuantX& xq = tm_quant::quantize_rows(attn_in, M, H * D, w[1].kind >= 2);
+          const QuantX& xq = tm_quant::quantize_rows(attn_in, M, H * D, w[1].kind);
           const auto [t0, t1] = share(w[1].n / 16, tid, nt);
           mm(w[1], xq, t0, t1, o.data());
           add_bias(w[1], 16 * t0, 16 * t1, o.data());
@@ -529,7 +529,7 @@ class DecodeModel {
           const BF16* post = norms_[2 * l + 1].data_ptr<BF16>();
           for (int64_t b = 0; b < M; ++b)
             tm_rows::add_rms_row(hp.data() + b * hid, o.data() + b * hid, post, xp.data() + b * hid, hid, eps);
-          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[2].kind >= 2);
+          const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[2].kind);
           const auto [t0, t1] = share(w[2].n / 16, tid, nt);
           mm(w[2], xq, t0, t1, gu.data());
           add_bias(w[2], 16 * t0, 16 * t1, gu.data());
@@ -537,7 +537,7 @@ class DecodeModel {
 #pragma omp barrier
         {
           for (int64_t b = 0; b < M; ++b) tm_rows::silu_mul_row(gu.data() + b * 2 * I, act.data() + b * I, I);
-          const QuantX& xq = tm_quant::quantize_rows(act.data(), M, I, w[3].kind >= 2);
+          const QuantX& xq = tm_quant::quantize_rows(act.data(), M, I, w[3].kind);
           const auto [t0, t1] = share(w[3].n / 16, tid, nt);
           mm(w[3], xq, t0, t1, dn.data());
           add_bias(w[3], 16 * t0, 16 * t1, dn.data());
@@ -549,7 +549,7 @@ class DecodeModel {
       }
       if (head) {
         // every thread holds the final norm's output: no barrier before the projection
-        const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, true);
+        const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, 3);  // the head: int8 blocks
         const int64_t V = head->V;
         const auto [t0, t1] = share(V / 16, tid, nt);
         tm_quant::tiles_range<3>(head_.data_ptr<uint8_t>(), head_.size(1), xq, M, hid, V, t0, t1, head->logits);

@@ -2,6 +2,7 @@
 // (decode_step.cpp). Layouts and numerics are described in quant_gemv.cpp.
 #pragma once
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -45,11 +46,6 @@ inline float avx2_hsum(__m256 v) {
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
-inline int32_t avx2_hsum_i32(__m256i v) {
-  __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtsi128_si32(_mm_add_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1))));
-}
 // 16 int32 (8 in a, 8 in b) to int8 with saturation, in order
 inline void avx2_store16_i8(int8_t* p, __m256i a, __m256i b) {
   const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0));  // 16 int16
@@ -65,79 +61,90 @@ inline void avx2_store8(c10::BFloat16* p, __m256 v) {  // round to nearest even,
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
-// One int8 level of a 16-input group (f0, f1): codes into q, returns the scale, the
-// codes' sum in *qsum and the codes themselves in q0, q1.
-inline float avx2_round_level(__m256 f0, __m256 f1, int8_t* q, int32_t* qsum, __m256i& q0, __m256i& q1) {
+// One int8 level of a 16-input group (f0, f1): codes into q, returns the scale, and
+// the codes themselves in q0, q1.
+inline float avx2_round_level(__m256 f0, __m256 f1, int8_t* q, __m256i& q0, __m256i& q1) {
   const float d = avx2_hmax(_mm256_max_ps(avx2_abs(f0), avx2_abs(f1))) / 127.f;
   const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
   q0 = _mm256_cvtps_epi32(_mm256_mul_ps(f0, inv));
   q1 = _mm256_cvtps_epi32(_mm256_mul_ps(f1, inv));
   avx2_store16_i8(q, q0, q1);
-  *qsum = avx2_hsum_i32(_mm256_add_epi32(q0, q1));
   return d;
 }
 #endif
 
-// Reused across calls (decode calls these ~120 times a step; allocation showed up).
+// What a tile kind reads of the quantized activations; the rest is not computed (the
+// horizontal sums cost as much as the rounding: at 512 rows, quantizing took ~11% of a
+// prefill). Kinds: 0 int8 rows, 1 int4, 2 int4 precise, 3 int8 blocks, 4 Q5_0.
+struct XNeeds {
+  bool precise;  // the second int8 level
+  bool qsums;    // sums of the codes: the AVX-512 int8 tiles' -128 correction
+  bool sums;     // float sums per group: the int4 and Q5_0 tiles' m term
+};
+constexpr XNeeds x_needs(int kind) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const bool qsums = kind == 0 || kind == 3;
+#else
+  const bool qsums = false;  // the AVX2 int8 tiles carry the sign instead
+#endif
+  return {kind >= 2, qsums, kind == 1 || kind == 2 || kind == 4};
+}
+
 // Scales per 16 inputs, not 32: the inputs of the qkv and down projections carry
 // outlier channels, and with 32 a group perplexity rose 2% (benchmarks/quality.py
 // --decode-kernels); the kernels' lo/hi halves of a group map onto the two scales.
+// Half groups [i0, i1) of x (i0 even: a group's float sum is made of its two halves)
+// into r, which is sized already.
 template <typename In>
-const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
-  thread_local QuantX r;
-  const int64_t H = K / kXGroup;
-  r.q.resize(M * K);
-  r.d.resize(M * H);
-  r.qsum.resize(M * H);
-  r.sum.resize(M * H / 2);
-  if (precise) {
-    r.q2.resize(M * K);
-    r.d2.resize(M * H);
-    r.qsum2.resize(M * H);
-  }
-  int64_t i = 0;
+void quantize_range(const In* x, int64_t i0, int64_t i1, XNeeds need, QuantX& r) {
+  const bool precise = need.precise;
+  int64_t i = i0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // One 16-input group is one vector. The scalar loop below cost ~12 us a layer for each
   // thread of the fused decode step (both quantize the same rows), ~8% of a step.
-  for (; i < M * H; ++i) {
+  for (; i < i1; ++i) {
     const __m512 f = tm_simd::load16(x + i * kXGroup);
     const float d = _mm512_reduce_max_ps(_mm512_abs_ps(f)) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
     // (the conversion rounds to nearest even, as nearbyint does in the default mode)
     const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(f, _mm512_set1_ps(inv)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + i * kXGroup), _mm512_cvtsepi32_epi8(qi));
     r.d[i] = d;
-    r.qsum[i] = _mm512_reduce_add_epi32(qi);
+    if (need.qsums) r.qsum[i] = _mm512_reduce_add_epi32(qi);
     if (precise) {
       const __m512 res = _mm512_fnmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(qi), f);
       const float d2 = _mm512_reduce_max_ps(_mm512_abs_ps(res)) / 127.f, inv2 = d2 > 0.f ? 1.f / d2 : 0.f;
       const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(res, _mm512_set1_ps(inv2)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q2.data() + i * kXGroup), _mm512_cvtsepi32_epi8(q2));
       r.d2[i] = d2;
-      r.qsum2[i] = _mm512_reduce_add_epi32(q2);
+      if (need.qsums) r.qsum2[i] = _mm512_reduce_add_epi32(q2);
     }
-    const float s = _mm512_reduce_add_ps(f);
-    if (i % 2 == 0) r.sum[i / 2] = s;
-    else r.sum[i / 2] += s;
+    if (need.sums) {
+      const float s = _mm512_reduce_add_ps(f);
+      if (i % 2 == 0) r.sum[i / 2] = s;
+      else r.sum[i / 2] += s;
+    }
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   // The same in two 8-lane halves.
-  for (; i < M * H; ++i) {
+  for (; i < i1; ++i) {
     const __m256 f0 = avx2_load8(x + i * kXGroup), f1 = avx2_load8(x + i * kXGroup + 8);
     __m256i q0, q1;
-    const float d = r.d[i] = avx2_round_level(f0, f1, r.q.data() + i * kXGroup, &r.qsum[i], q0, q1);
+    const float d = r.d[i] = avx2_round_level(f0, f1, r.q.data() + i * kXGroup, q0, q1);
     if (precise) {  // the second level rounds the first's residual
       const __m256 vd = _mm256_set1_ps(d);
       __m256i p0, p1;
       r.d2[i] = avx2_round_level(_mm256_fnmadd_ps(vd, _mm256_cvtepi32_ps(q0), f0),
                                  _mm256_fnmadd_ps(vd, _mm256_cvtepi32_ps(q1), f1), r.q2.data() + i * kXGroup,
-                                 &r.qsum2[i], p0, p1);
+                                 p0, p1);
     }
-    const float s = avx2_hsum(_mm256_add_ps(f0, f1));
-    if (i % 2 == 0) r.sum[i / 2] = s;
-    else r.sum[i / 2] += s;
+    if (need.sums) {
+      const float s = avx2_hsum(_mm256_add_ps(f0, f1));
+      if (i % 2 == 0) r.sum[i / 2] = s;
+      else r.sum[i / 2] += s;
+    }
   }
 #endif
-  for (; i < M * H; ++i) {
+  for (; i < i1; ++i) {
     const In* v = x + i * kXGroup;
     float f[kXGroup];
     float amax = 0.f, s = 0.f;
@@ -154,7 +161,7 @@ const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
       qs += q[e];
     }
     r.d[i] = d;
-    r.qsum[i] = qs;
+    if (need.qsums) r.qsum[i] = qs;
     if (precise) {  // |residual| <= d / 2: 8 more bits below the first level's
       float res[kXGroup], rmax = 0.f;
       for (int e = 0; e < kXGroup; ++e) {
@@ -169,13 +176,53 @@ const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, bool precise) {
         qs2 += q2[e];
       }
       r.d2[i] = d2;
-      r.qsum2[i] = qs2;
+      if (need.qsums) r.qsum2[i] = qs2;
     }
-    if (i % 2 == 0) r.sum[i / 2] = s;
-    else r.sum[i / 2] += s;
+    if (need.sums) {
+      if (i % 2 == 0) r.sum[i / 2] = s;
+      else r.sum[i / 2] += s;
+    }
+  }
+}
+
+inline QuantX& sized_quant_buffers(int64_t M, int64_t K, XNeeds need) {
+  // reused across calls (decode calls these ~120 times a step; allocation showed up)
+  thread_local QuantX r;
+  const int64_t H = K / kXGroup;
+  r.q.resize(M * K);
+  r.d.resize(M * H);
+  if (need.qsums) r.qsum.resize(M * H);
+  if (need.sums) r.sum.resize(M * H / 2);
+  if (need.precise) {
+    r.q2.resize(M * K);
+    r.d2.resize(M * H);
+    if (need.qsums) r.qsum2.resize(M * H);
   }
   return r;
 }
+
+// x [M, K] quantized for tiles of `kind`, on the calling thread (the fused decode step:
+// each of its threads quantizes the rows it needs).
+template <typename In>
+const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, int kind) {
+  const XNeeds need = x_needs(kind);
+  QuantX& r = sized_quant_buffers(M, K, need);
+  quantize_range(x, 0, M * (K / kXGroup), need, r);
+  return r;
+}
+
+// The same, rows shared among the threads (a prefill's hundreds of rows; on one thread
+// the other waited ~11% of the time).
+template <typename In>
+const QuantX& quantize_rows_parallel(const In* x, int64_t M, int64_t K, int kind) {
+  const XNeeds need = x_needs(kind);
+  QuantX& r = sized_quant_buffers(M, K, need);
+  const int64_t H = K / kXGroup;
+  at::parallel_for(0, M, 16, [&](int64_t b0, int64_t b1) { quantize_range(x, b0 * H, b1 * H, need, r); });
+  return r;
+}
+
+
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_QUANT_TILES 1
