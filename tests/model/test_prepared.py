@@ -108,3 +108,41 @@ def test_mapped_pages_let_go_after_the_copy_read_back_the_same(tmp_path):
     drop_mapped_pages([mapped])
     assert before - rss_file_kb() > 48 << 10
     assert torch.equal(mapped, t)
+
+
+def test_a_slot_keeps_its_two_entries_used_last(tmp_path, monkeypatch):
+    """Entries of the same model and settings made by other code versions are deleted
+    on save, but for the one used last besides the new one; other slots stay, and names
+    from before slots go."""
+    import time
+
+    from tokenmill.model import prepared
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    monkeypatch.setenv("TOKENMILL_PREPARED_DIR", str(root))
+    model, other = tmp_path / "m.gguf", tmp_path / "o.gguf"
+    model.write_bytes(b"m" * 100)
+    other.write_bytes(b"o" * 100)
+    legacy = root / ("0" * 20 + ".pt")
+    legacy.write_bytes(b"from before slots")
+    past = time.time_ns() - 10**12
+
+    def saved(version, path=model, quantization="int4"):
+        nonlocal past
+        monkeypatch.setattr(prepared, "_sources_digest", lambda: version)
+        file = prepared.cache_file(str(path), torch.bfloat16, quantization, True)
+        prepared.save({"version": version}, file)
+        past += 10**9  # mtimes a second apart: the order does not hang on the clock's grain
+        os.utime(file, ns=(past, past))
+        return file
+
+    v1 = saved("v1")
+    assert not legacy.exists()
+    keep = [saved("v1", quantization="int8"), saved("v1", path=other)]
+    v2 = saved("v2")
+    assert os.path.exists(v1) and os.path.exists(v2)  # two per slot
+    assert prepared.load(v1) == {"version": "v1"}  # a hit: v1 is now the slot's most recent
+    v3 = saved("v3")
+    assert sorted(os.listdir(root)) == sorted(os.path.basename(f) for f in [v1, v3, *keep] + ["digests.json"])
+    assert not os.path.exists(v2)

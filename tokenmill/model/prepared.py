@@ -15,6 +15,14 @@ quantization, the model package's sources (a code change invalidates it), torch'
 version, whether the VNNI kernels are used, and FORMAT. Anything unreadable is rebuilt.
 The directory is $TOKENMILL_PREPARED_DIR (`off` disables the cache), else
 $XDG_CACHE_HOME/tokenmill/prepared (~/.cache by default).
+
+Old entries go: a file's name starts with its slot (the model's bytes, dtype,
+quantization, VNNI), and saving keeps the KEEP_PER_SLOT entries of that slot used most
+recently (a hit refreshes its mtime), deleting the others, which a code or torch change
+made unreachable. Two, not one: a developer comparing two trees (or two installs sharing
+a cache) would otherwise prepare on every start. Names from before slots can never be
+hit again and go on the next save. Without this a developer's cache held 12 GB of
+stale copies of a few models after a day's work.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Any
 import torch
 
 FORMAT = 1
+KEEP_PER_SLOT = 2
 _SOURCES = ("llama.py", "quant.py", "loader.py", "memory.py", "attention.py", "config.py", "gguf_loader.py",
             "safetensors_loader.py", "prepared.py")
 log = logging.getLogger("tokenmill.model")
@@ -100,8 +109,10 @@ def cache_file(path: str, dtype: torch.dtype, quantization: str, vnni: bool) -> 
     except OSError as exc:
         log.warning("prepared-weights cache unavailable (%s): preparing every start", exc)
         return None
+    slot_facts = {k: facts[k] for k in ("model", "dtype", "quantization", "vnni")}
+    slot = hashlib.sha256(json.dumps(slot_facts, sort_keys=True).encode()).hexdigest()[:12]
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
-    return os.path.join(root, f"{key}.pt")
+    return os.path.join(root, f"{slot}-{key}.pt")
 
 
 def load(file: str) -> Any | None:
@@ -109,7 +120,9 @@ def load(file: str) -> Any | None:
     if not os.path.exists(file):
         return None
     try:
-        return torch.load(file, mmap=True, weights_only=False)
+        model = torch.load(file, mmap=True, weights_only=False)
+        os.utime(file)  # used now: the last entry of its slot to be evicted
+        return model
     except Exception as exc:  # a truncated or foreign file: prepare again
         log.warning("prepared weights %s unreadable (%s: %s): preparing again", file, type(exc).__name__, exc)
         try:
@@ -129,6 +142,38 @@ def save(model: Any, file: str) -> None:
         os.replace(tmp, file)
     except OSError as exc:
         log.warning("could not save prepared weights to %s: %s", file, exc)
+        return
+    evict(file)
+
+
+def evict(file: str) -> list[str]:
+    """Delete the entries of file's slot beyond the KEEP_PER_SLOT used last (file, just
+    saved, among those kept), and entries named before slots; returns what went. A start
+    that still maps a deleted file keeps its pages (the inode lives until unmapped)."""
+    root, name = os.path.split(file)
+    slot = name.split("-", 1)[0]
+    mine, gone = [], []
+    for entry in os.scandir(root):
+        stem = entry.name[:-3] if entry.name.endswith(".pt") else ""
+        if len(stem) == 20 and "-" not in stem:  # a name from before slots
+            gone.append(entry.path)
+        elif stem.startswith(slot + "-"):
+            try:
+                mine.append((entry.stat().st_mtime_ns, entry.path))
+            except OSError:
+                pass
+    mine.sort(reverse=True)
+    gone += [path for _, path in mine[KEEP_PER_SLOT:] if path != file]
+    removed = []
+    for path in gone:
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+    if removed:
+        log.info("prepared weights: removed %d older entr%s", len(removed), "y" if len(removed) == 1 else "ies")
+    return removed
 
 
 def _write_atomic(path: str, data: bytes) -> None:
