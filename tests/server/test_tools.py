@@ -238,6 +238,49 @@ def templated():
     srv.stop()
 
 
+def _stream(text, by_name, size):
+    p = T.StreamParser(by_name)
+    parts, calls = [], []
+    for i in range(0, len(text), size):
+        c, new = p.feed(text[i:i + size])
+        parts.append(c)
+        calls += new
+    rest, late = p.finish()
+    return parts, rest, calls + late
+
+
+def test_code_answers_stream_while_tools_are_offered():
+    """Only a candidate for a bare call is held, and only while it can still be one."""
+    by_name = T.check_tools(TOOLS, "auto")
+    code = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
+    parts, rest, calls = _stream(code, by_name, 3)
+    assert not calls and "".join(parts) + rest == code
+    assert "def add" in "".join(parts[:len(code) // 3 - 2])  # out before the reply ended
+    answer = '{"a": 1} and more text after it, as a plain answer would go on'
+    parts, rest, calls = _stream(answer, by_name, 4)
+    assert not calls and "".join(parts) + rest == answer and "and more" in "".join(parts[:-2])
+
+
+def test_whole_and_streamed_parses_find_the_same_calls():
+    import random
+
+    by_name = T.check_tools(TOOLS, "auto")
+    call = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    pieces = ["Sure. ", "text ", "\n", "```json\n" + call + "\n```", "```python\nx = 1\n```", call,
+              "[" + call + "]", '{"a": 1}', "<tool_call>\n" + call + "\n</tool_call>",
+              "<tool_call>\n{broken}\n</tool_call>", "<tool_call>", "```", "{", " after"]
+    rng = random.Random(0)
+    for _ in range(1500):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 4)))
+        whole_content, whole = T.parse_calls(text, by_name)
+        for size in (1, rng.randint(2, 9), len(text)):
+            parts, rest, streamed = _stream(text, by_name, size)
+            assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in whole], (text, size)
+            if T.CALL_OPEN not in text:  # (an invalid tagged block's text is dropped from a stream)
+                got = ("".join(parts) + rest).strip() or None
+                assert got == ((whole_content or "").strip() or None), (text, size)
+
+
 def test_served_template_renders_tools_and_history_itself(templated, embedded_path):
     """The prompt the server ran is the file's rendering of the tools and of the history
     with the call's arguments as an object: its token count says which text it was."""

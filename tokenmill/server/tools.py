@@ -140,8 +140,9 @@ def tags_are_tokens(tokenizer: Any) -> bool:
     tokenizer (Qwen2.5: ids 151657 and 151658), rather than spelled in pieces."""
     added = tokenizer.hf.get_added_tokens_decoder()
     for tag in (CALL_OPEN, CALL_CLOSE):
-        ids = tokenizer.encode(tag, add_special_tokens=False)
-        if len(ids) != 1 or ids[0] not in added:
+        tid = tokenizer.hf.token_to_id(tag)
+        # a special one would be dropped from the decoded text, and the call with it
+        if tid is None or tid not in added or added[tid].special:
             return False
     return True
 
@@ -170,8 +171,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _arguments_object(args: Any) -> Any:
-    """A call's arguments as an object when they are a JSON string of one; anything else
-    as it came (a client's malformed history is shown to the model as written)."""
+    """A call's arguments as the value their JSON string encodes (an object, from any
+    client that follows the API); a string that is not JSON as it came (a client's
+    malformed history is shown to the model as written)."""
     if not isinstance(args, str):
         return args
     try:
@@ -229,7 +231,9 @@ def parse_calls(text: str, by_name: dict[str, dict[str, Any]]) -> tuple[str | No
             first = i if first is None else first
         pos = j + len(CALL_CLOSE)
     if not calls:
-        start = _bare_start(text)
+        # a reply with a tag in it is a tagged reply, well formed or not (a stream stops
+        # looking for bare calls at its first tag)
+        start = _bare_start(text) if CALL_OPEN not in text else None
         calls = bare_calls(text[start:], by_name) if start is not None else []
         if not calls:
             return text, []
@@ -295,40 +299,33 @@ def _call_from(obj: Any, by_name: dict[str, dict[str, Any]]) -> ToolCall | None:
 class StreamParser:
     """Splits a stream of text deltas into content deltas and completed tool calls.
     Content is released as it comes, except text that could still be the start of a
-    `<tool_call>` tag; from the first tag on, text is held until its block closes. A
-    reply that opens with a JSON object or array, or text from a code fence on, is held
-    to the end, where it is a bare call (`bare_calls`) or released as content: so the
-    stream splits a reply exactly as `parse_calls` splits it whole."""
+    `<tool_call>` tag; from the first tag on, text is held until its block closes. The
+    reply's one candidate for a bare call (`parse_calls`: the reply itself when it opens
+    with a JSON object or array, else its first code fence on) is held while it can still
+    be one, and released as content as soon as it cannot (a fence in another language,
+    text after the JSON or the closing fence, JSON that is not a call): so a code answer
+    still streams, and a stream finds the same calls as the whole answer."""
 
     def __init__(self, by_name: dict[str, dict[str, Any]]):
         self.by_name = by_name
         self.buf = ""
         self.in_calls = False  # a tag was seen: no more content is streamed
-        self.held = False  # a possible bare call: held to the end
+        self.held: str | None = None  # "json" or "fence": the bare-call candidate being held
+        self.settled = False  # the candidate was seen and is not a call: stream freely
         self.sent = False  # some content went out (a JSON opening then is not the reply's first)
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content to send now, calls completed now)."""
         self.buf += text
-        content = ""
         if not self.in_calls:
             i = self.buf.find(CALL_OPEN)
             if i < 0:
-                if self.held:
-                    return "", []
-                if not self.sent and self.buf.lstrip()[:1] in ("{", "["):
-                    self.held = True
-                    return "", []
-                fence = self.buf.find(FENCE)
-                keep = len(self.buf) - fence if fence >= 0 else max(_partial_len(self.buf, CALL_OPEN),
-                                                                     _partial_len(self.buf, FENCE))
-                self.held = fence >= 0
-                content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-                self.sent = self.sent or bool(content.strip())
-                return content, []
+                return self._content(), []
             content, self.buf = self.buf[:i], self.buf[i:]
             self.in_calls = True
+        else:
+            content = ""
         new: list[ToolCall] = []
         while True:
             i = self.buf.find(CALL_OPEN)
@@ -342,11 +339,55 @@ class StreamParser:
         self.calls += new
         return content, new
 
+    def _content(self) -> str:
+        """What of the buffer (no tag in it) can go out now."""
+        if self.held is None and not self.settled:
+            if not self.sent and self.buf.lstrip()[:1] in ("{", "["):
+                self.held = "json"
+            else:
+                fence = self.buf.find(FENCE)
+                if fence >= 0:
+                    out, self.buf, self.held = self.buf[:fence], self.buf[fence:], "fence"
+                    self.sent = self.sent or bool(out.strip())
+                    return out
+        if self.held is not None:
+            if self._may_be_a_call():
+                return ""
+            self.held, self.settled = None, True
+        keep = _partial_len(self.buf, CALL_OPEN)
+        if not self.settled:
+            keep = max(keep, _partial_len(self.buf, FENCE))
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        self.sent = self.sent or bool(out.strip())
+        return out
+
+    def _may_be_a_call(self) -> bool:
+        """Whether the held candidate can still end as a bare call."""
+        body = self.buf.lstrip()
+        if self.held == "fence":
+            newline = body.find("\n", len(FENCE))
+            if newline < 0:
+                return True
+            if body[len(FENCE):newline].strip() not in ("", "json"):
+                return False
+            close = body.find(FENCE, newline)
+            return close < 0 or not body[close + len(FENCE):].strip()
+        if not body.rstrip().endswith(("}", "]")):  # only a closing bracket can end the JSON
+            return True
+        try:
+            obj, end = json.JSONDecoder().raw_decode(body)
+        except ValueError:
+            return True  # unfinished (or broken: the end decides)
+        if body[end:].strip():
+            return False
+        items = obj if isinstance(obj, list) else [obj]
+        return bool(items) and all(_call_from(o, self.by_name) is not None for o in items)
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(what is left as content, calls found only now) at the end: a held bare call,
         or a tag prefix, or an unfinished block when no call was made, as content."""
         rest, self.buf = self.buf, ""
-        if self.held and not self.in_calls:
+        if self.held is not None and not self.in_calls:
             late = bare_calls(rest, self.by_name)
             if late:
                 self.calls += late
