@@ -146,3 +146,26 @@ def test_a_slot_keeps_its_two_entries_used_last(tmp_path, monkeypatch):
     v3 = saved("v3")
     assert sorted(os.listdir(root)) == sorted(os.path.basename(f) for f in [v1, v3, *keep] + ["digests.json"])
     assert not os.path.exists(v2)
+
+
+def test_a_read_only_cache_still_serves_and_interrupted_saves_go(tmp_path, monkeypatch):
+    import time
+
+    from tokenmill.model import prepared
+
+    monkeypatch.setenv("TOKENMILL_PREPARED_DIR", str(tmp_path))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"m" * 100)
+    file = prepared.cache_file(str(model), torch.bfloat16, "int4", True)
+    old_tmp, new_tmp = tmp_path / "a.tmp", tmp_path / "b.tmp"
+    for path, age in ((old_tmp, 7200), (new_tmp, 60)):
+        path.write_bytes(b"partial")
+        os.utime(path, (time.time() - age, time.time() - age))
+    prepared.save({"x": 1}, file)
+    assert not old_tmp.exists() and new_tmp.exists()  # a save in progress elsewhere is left alone
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(prepared.os, "utime", refuse)
+    assert prepared.load(file) == {"x": 1} and os.path.exists(file)

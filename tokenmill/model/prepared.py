@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -121,8 +122,6 @@ def load(file: str) -> Any | None:
         return None
     try:
         model = torch.load(file, mmap=True, weights_only=False)
-        os.utime(file)  # used now: the last entry of its slot to be evicted
-        return model
     except Exception as exc:  # a truncated or foreign file: prepare again
         log.warning("prepared weights %s unreadable (%s: %s): preparing again", file, type(exc).__name__, exc)
         try:
@@ -130,6 +129,11 @@ def load(file: str) -> Any | None:
         except OSError:
             pass
         return None
+    try:
+        os.utime(file)  # used now: the last entry of its slot to be evicted
+    except OSError:  # a read-only cache still serves
+        pass
+    return model
 
 
 def save(model: Any, file: str) -> None:
@@ -148,14 +152,18 @@ def save(model: Any, file: str) -> None:
 
 def evict(file: str) -> list[str]:
     """Delete the entries of file's slot beyond the KEEP_PER_SLOT used last (file, just
-    saved, among those kept), and entries named before slots; returns what went. A start
+    saved, among those kept), entries named before slots, and interrupted saves' temporary
+    files older than an hour; returns what went. A start
     that still maps a deleted file keeps its pages (the inode lives until unmapped)."""
     root, name = os.path.split(file)
     slot = name.split("-", 1)[0]
     mine, gone = [], []
+    stale = time.time() - 3600
     for entry in os.scandir(root):
         stem = entry.name[:-3] if entry.name.endswith(".pt") else ""
         if len(stem) == 20 and "-" not in stem:  # a name from before slots
+            gone.append(entry.path)
+        elif entry.name.endswith(".tmp") and _mtime(entry) < stale:  # an interrupted save's
             gone.append(entry.path)
         elif stem.startswith(slot + "-"):
             try:
@@ -174,6 +182,13 @@ def evict(file: str) -> list[str]:
     if removed:
         log.info("prepared weights: removed %d older entr%s", len(removed), "y" if len(removed) == 1 else "ies")
     return removed
+
+
+def _mtime(entry: os.DirEntry) -> float:
+    try:
+        return entry.stat().st_mtime
+    except OSError:
+        return float("inf")
 
 
 def _write_atomic(path: str, data: bytes) -> None:

@@ -82,7 +82,9 @@ struct XNeeds {
   bool sums;     // float sums per group: the int4 and Q5_0 tiles' m term
 };
 constexpr XNeeds x_needs(int kind) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // (the condition of the AVX-512 tiles below, the only readers of the code sums; the
+  // AVX2 quantize loop never writes them)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const bool qsums = kind == 0 || kind == 3;
 #else
   const bool qsums = false;  // the AVX2 int8 tiles carry the sign instead
