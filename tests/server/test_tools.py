@@ -43,17 +43,23 @@ def test_parse_calls_and_content():
     assert T.parse_calls("just text <tool_call> {broken", by_name) == ("just text <tool_call> {broken", [])
 
 
+def _stream(text, by_name, size):
+    p = T.StreamParser(by_name)
+    parts, calls = [], []
+    for i in range(0, len(text), size):
+        c, new = p.feed(text[i:i + size])
+        parts.append(c)
+        calls += new
+    rest, late = p.finish()
+    return parts, rest, calls + late
+
+
 def test_stream_parser_matches_whole_parse():
     by_name = T.check_tools(TOOLS, "auto")
     text = 'Sure <tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 7}}\n</tool_call>'
     for size in (1, 3, 7, len(text)):
-        p = T.StreamParser(by_name)
-        content, calls = "", []
-        for i in range(0, len(text), size):
-            c, new = p.feed(text[i:i + size])
-            content, calls = content + c, calls + new
-        rest, late = p.finish()
-        content, calls = content + rest, calls + late
+        parts, rest, calls = _stream(text, by_name, size)
+        content = "".join(parts) + rest
         assert content.strip() == "Sure" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 5, "b": 7}')]
     p = T.StreamParser(by_name)
     assert p.feed("a < b <tool")[0] == "a < b " and p.finish() == ("<tool", [])  # a tag prefix, never a tag
@@ -84,13 +90,8 @@ def test_bare_and_fenced_calls_parse_whole_and_streamed_alike(text, content, cal
     got_content, got = T.parse_calls(text, by_name)
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
     for size in (1, 2, 5, len(text)):
-        p = T.StreamParser(by_name)
-        streamed, scalls = "", []
-        for i in range(0, len(text), size):
-            c, new = p.feed(text[i:i + size])
-            streamed, scalls = streamed + c, scalls + new
-        rest, late = p.finish()
-        streamed, scalls = streamed + rest, scalls + late
+        parts, rest, scalls = _stream(text, by_name, size)
+        streamed = "".join(parts) + rest
         assert [(c.name, c.arguments) for c in scalls] == [(c.name, c.arguments) for c in got], size
         assert (streamed.strip() or None) == (got_content.strip() if got_content else None), size
 
@@ -236,17 +237,6 @@ def templated():
     srv = ServerProcess("--chat-template", TEMPLATE).wait_ready()
     yield srv
     srv.stop()
-
-
-def _stream(text, by_name, size):
-    p = T.StreamParser(by_name)
-    parts, calls = [], []
-    for i in range(0, len(text), size):
-        c, new = p.feed(text[i:i + size])
-        parts.append(c)
-        calls += new
-    rest, late = p.finish()
-    return parts, rest, calls + late
 
 
 def test_code_answers_stream_while_tools_are_offered():
