@@ -153,23 +153,23 @@ def save(model: Any, file: str) -> None:
 def evict(file: str) -> list[str]:
     """Delete the entries of file's slot beyond the KEEP_PER_SLOT used last (file, just
     saved, among those kept), entries named before slots, and interrupted saves' temporary
-    files older than an hour; returns what went. A start
-    that still maps a deleted file keeps its pages (the inode lives until unmapped)."""
+    files older than an hour; returns what went. A start that still maps a deleted file
+    keeps its pages (the inode lives until unmapped)."""
     root, name = os.path.split(file)
     slot = name.split("-", 1)[0]
     mine, gone = [], []
     stale = time.time() - 3600
     for entry in os.scandir(root):
+        when = _mtime(entry)
+        if when is None:  # gone meanwhile
+            continue
         stem = entry.name[:-3] if entry.name.endswith(".pt") else ""
         if len(stem) == 20 and "-" not in stem:  # a name from before slots
             gone.append(entry.path)
-        elif entry.name.endswith(".tmp") and _mtime(entry) < stale:  # an interrupted save's
+        elif entry.name.endswith(".tmp") and when < stale:  # an interrupted save's
             gone.append(entry.path)
         elif stem.startswith(slot + "-"):
-            try:
-                mine.append((entry.stat().st_mtime_ns, entry.path))
-            except OSError:
-                pass
+            mine.append((when, entry.path))
     mine.sort(reverse=True)
     gone += [path for _, path in mine[KEEP_PER_SLOT:] if path != file]
     removed = []
@@ -184,11 +184,11 @@ def evict(file: str) -> list[str]:
     return removed
 
 
-def _mtime(entry: os.DirEntry) -> float:
+def _mtime(entry: os.DirEntry) -> float | None:
     try:
         return entry.stat().st_mtime
     except OSError:
-        return float("inf")
+        return None
 
 
 def _write_atomic(path: str, data: bytes) -> None:

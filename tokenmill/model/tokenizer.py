@@ -96,9 +96,7 @@ class Tokenizer:
         self.special_ids = frozenset(
             tid for tid, tok in hf.get_added_tokens_decoder().items() if tok.special
         )
-        bos = self._token(bos_token_id)
-        eos = self._token(eos_token_ids[0] if eos_token_ids else None)
-        self.chat_template = ChatTemplate(chat_template, bos, eos) if chat_template else None
+        self.chat_template = self._compile(chat_template) if chat_template else None
 
     # -- encoding / decoding -------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -122,14 +120,14 @@ class Tokenizer:
         """This tokenizer with another chat template (a server's `--chat-template`); the
         template is compiled here, so a broken one fails at start, not on a request."""
         twin = copy.copy(self)
-        own = self.chat_template
-        bos = own.bos_token if own else self._token(self.bos_token_id)
-        eos = own.eos_token if own else self._token(self.eos_token_ids[0] if self.eos_token_ids else None)
-        twin.chat_template = ChatTemplate(source, bos, eos)
+        twin.chat_template = self._compile(source)
         return twin
 
-    def _token(self, token_id: int | None) -> str | None:
-        return self.hf.id_to_token(token_id) if token_id is not None else None
+    def _compile(self, source: str) -> ChatTemplate:
+        """A chat template whose bos_token and eos_token are this vocabulary's."""
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        return ChatTemplate(source, *(self.hf.id_to_token(t) if t is not None else None
+                                      for t in (self.bos_token_id, eos)))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:

@@ -243,14 +243,18 @@ def parse_calls(text: str, by_name: dict[str, dict[str, Any]]) -> tuple[str | No
 
 
 FENCE = "```"
+JSON_FENCES = ("", "json")  # a code fence's info words that may hold a call
+
+
+def _opens_json(text: str) -> bool:
+    return text.lstrip()[:1] in ("{", "[")
 
 
 def _bare_start(text: str) -> int | None:
     """Where a bare call could begin: the reply's first character when that opens a JSON
     object or array, else its first code fence."""
-    stripped = text.lstrip()
-    if stripped[:1] in ("{", "["):
-        return len(text) - len(stripped)
+    if _opens_json(text):
+        return len(text) - len(text.lstrip())
     i = text.find(FENCE)
     return i if i >= 0 else None
 
@@ -267,15 +271,18 @@ def bare_calls(text: str, by_name: dict[str, dict[str, Any]]) -> list[ToolCall]:
             return []
         body = body[len(FENCE):-len(FENCE)]
         newline = body.find("\n")
-        if newline < 0 or not body[:newline].strip() in ("", "json"):
+        if newline < 0 or body[:newline].strip() not in JSON_FENCES:
             return []
         body = body[newline + 1:]
     try:
-        obj = json.loads(body)
+        return _calls_of(json.loads(body), by_name)
     except ValueError:
         return []
-    items = obj if isinstance(obj, list) else [obj]
-    calls = [_call_from(o, by_name) for o in items]
+
+
+def _calls_of(obj: Any, by_name: dict[str, dict[str, Any]]) -> list[ToolCall]:
+    """A JSON value's calls: one call object or a non-empty array of them, all or nothing."""
+    calls = [_call_from(o, by_name) for o in (obj if isinstance(obj, list) else [obj])]
     return calls if calls and all(c is not None for c in calls) else []
 
 
@@ -342,7 +349,7 @@ class StreamParser:
     def _content(self) -> str:
         """What of the buffer (no tag in it) can go out now."""
         if self.held is None and not self.settled:
-            if not self.sent and self.buf.lstrip()[:1] in ("{", "["):
+            if not self.sent and _opens_json(self.buf):
                 self.held = "json"
             else:
                 fence = self.buf.find(FENCE)
@@ -368,7 +375,7 @@ class StreamParser:
             newline = body.find("\n", len(FENCE))
             if newline < 0:
                 return True
-            if body[len(FENCE):newline].strip() not in ("", "json"):
+            if body[len(FENCE):newline].strip() not in JSON_FENCES:
                 return False
             close = body.find(FENCE, newline)
             return close < 0 or not body[close + len(FENCE):].strip()
@@ -378,10 +385,7 @@ class StreamParser:
             obj, end = json.JSONDecoder().raw_decode(body)
         except ValueError:
             return True  # unfinished (or broken: the end decides)
-        if body[end:].strip():
-            return False
-        items = obj if isinstance(obj, list) else [obj]
-        return bool(items) and all(_call_from(o, self.by_name) is not None for o in items)
+        return not body[end:].strip() and bool(_calls_of(obj, self.by_name))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(what is left as content, calls found only now) at the end: a held bare call,

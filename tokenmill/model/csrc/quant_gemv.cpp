@@ -36,7 +36,7 @@ using namespace tm_quant;
 // x [M, K] against all tiles of w (tile_bytes each); returns [M, N] in out_dtype.
 template <int Kind, typename In, typename Out>
 void run_tiles(const In* x, const uint8_t* w, int64_t tile_bytes, int64_t M, int64_t K, int64_t N, Out* y) {
-  const QuantX& xq = quantize_rows_parallel(x, M, K, Kind);
+  const QuantX& xq = quantize_rows(x, M, K, Kind);
   at::parallel_for(0, N / kTile, 8, [&](int64_t t0, int64_t t1) {
     tiles_range<Kind>(w, tile_bytes, xq, M, K, N, t0, t1, y);
   });

@@ -92,6 +92,12 @@ constexpr XNeeds x_needs(int kind) {
   return {kind >= 2, qsums, kind == 1 || kind == 2 || kind == 4};
 }
 
+// A half group's float sum into its group's (the first half sets it, the second adds)
+inline void add_half_sum(QuantX& r, int64_t i, float s) {
+  if (i % 2 == 0) r.sum[i / 2] = s;
+  else r.sum[i / 2] += s;
+}
+
 // Scales per 16 inputs, not 32: the inputs of the qkv and down projections carry
 // outlier channels, and with 32 a group perplexity rose 2% (benchmarks/quality.py
 // --decode-kernels); the kernels' lo/hi halves of a group map onto the two scales.
@@ -120,11 +126,7 @@ void quantize_range(const In* x, int64_t i0, int64_t i1, XNeeds need, QuantX& r)
       r.d2[i] = d2;
       if (need.qsums) r.qsum2[i] = _mm512_reduce_add_epi32(q2);
     }
-    if (need.sums) {
-      const float s = _mm512_reduce_add_ps(f);
-      if (i % 2 == 0) r.sum[i / 2] = s;
-      else r.sum[i / 2] += s;
-    }
+    if (need.sums) add_half_sum(r, i, _mm512_reduce_add_ps(f));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   // The same in two 8-lane halves.
@@ -139,11 +141,7 @@ void quantize_range(const In* x, int64_t i0, int64_t i1, XNeeds need, QuantX& r)
                                  _mm256_fnmadd_ps(vd, _mm256_cvtepi32_ps(q1), f1), r.q2.data() + i * kXGroup,
                                  p0, p1);
     }
-    if (need.sums) {
-      const float s = avx2_hsum(_mm256_add_ps(f0, f1));
-      if (i % 2 == 0) r.sum[i / 2] = s;
-      else r.sum[i / 2] += s;
-    }
+    if (need.sums) add_half_sum(r, i, avx2_hsum(_mm256_add_ps(f0, f1)));
   }
 #endif
   for (; i < i1; ++i) {
@@ -180,10 +178,7 @@ void quantize_range(const In* x, int64_t i0, int64_t i1, XNeeds need, QuantX& r)
       r.d2[i] = d2;
       if (need.qsums) r.qsum2[i] = qs2;
     }
-    if (need.sums) {
-      if (i % 2 == 0) r.sum[i / 2] = s;
-      else r.sum[i / 2] += s;
-    }
+    if (need.sums) add_half_sum(r, i, s);
   }
 }
 
@@ -203,28 +198,18 @@ inline QuantX& sized_quant_buffers(int64_t M, int64_t K, XNeeds need) {
   return r;
 }
 
-// x [M, K] quantized for tiles of `kind`, on the calling thread (the fused decode step:
-// each of its threads quantizes the rows it needs).
+// x [M, K] quantized for tiles of `kind`, rows shared among the threads (a prefill's
+// hundreds of rows: on one thread the other waited ~11% of the time). Inside the fused
+// decode step's parallel region at::parallel_for runs inline, so there each thread
+// quantizes the rows for itself, into its own buffers.
 template <typename In>
 const QuantX& quantize_rows(const In* x, int64_t M, int64_t K, int kind) {
-  const XNeeds need = x_needs(kind);
-  QuantX& r = sized_quant_buffers(M, K, need);
-  quantize_range(x, 0, M * (K / kXGroup), need, r);
-  return r;
-}
-
-// The same, rows shared among the threads (a prefill's hundreds of rows; on one thread
-// the other waited ~11% of the time).
-template <typename In>
-const QuantX& quantize_rows_parallel(const In* x, int64_t M, int64_t K, int kind) {
   const XNeeds need = x_needs(kind);
   QuantX& r = sized_quant_buffers(M, K, need);
   const int64_t H = K / kXGroup;
   at::parallel_for(0, M, 16, [&](int64_t b0, int64_t b1) { quantize_range(x, b0 * H, b1 * H, need, r); });
   return r;
 }
-
-
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_QUANT_TILES 1
