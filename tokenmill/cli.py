@@ -138,7 +138,7 @@ def _cli_engine(model: Optional[str], dtype: Optional[str], quantization: Option
     """An engine for the terminal commands: metadata checked now (one-line errors), weights
     loaded on the engine thread when it starts."""
     dtype, quantization = resolve_precision(dtype, quantization)
-    from tokenmill.engine.api import make_engine
+    from tokenmill.engine.factory import make_engine
     from tokenmill.model.config import ModelLoadError
 
     try:
@@ -273,7 +273,7 @@ def _serve(
     import logging
 
     from tokenmill.cost import CardError, load_cards, with_machine
-    from tokenmill.engine.api import ENGINE_MODES, make_engine
+    from tokenmill.engine.factory import ENGINE_MODES, make_engine
     from tokenmill.model.config import ModelLoadError
     from tokenmill.server.app import ServerConfig, ServicePolicy, build_app
     from tokenmill.server.gate import AdmissionConfig

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import tiny_loaded
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokenmill.engine import async_engine
+from tokenmill.engine import front
 from tokenmill.engine.api import EngineClient, EngineDeadError, InvalidParameter, SamplingParams
 from tokenmill.engine.async_engine import AsyncEngine
 
@@ -82,7 +82,7 @@ def test_a_loop_that_keeps_dying_gives_up(tiny, monkeypatch):
         engine.on_give_up = gave_up.set
         await engine.start()
         monkeypatch.setattr(LLMEngine, "step", boom)
-        monkeypatch.setattr(async_engine, "MAX_RESTARTS", 2)
+        monkeypatch.setattr(front, "MAX_RESTARTS", 2)
         try:
             for i in range(3):
                 await wait_for(lambda: engine.running or engine.gave_up)

@@ -47,7 +47,8 @@ def test_process_engine_child_loads_while_the_front_reads_metadata():
     import multiprocessing
 
     from tokenmill.cli import engine_config
-    from tokenmill.engine.api import SamplingParams, make_engine
+    from tokenmill.engine.api import SamplingParams
+    from tokenmill.engine.factory import make_engine
 
     engine = make_engine(engine_config(None, "bfloat16", "int4", 0.25, 4, 256, None, 16, True, None), "process")
     early = engine.pid

@@ -28,7 +28,7 @@ def traced():
 
     from tokenmill.cli import engine_config
     from tokenmill.cost import load_cards
-    from tokenmill.engine.api import make_engine
+    from tokenmill.engine.factory import make_engine
     from tokenmill.server.app import ServerConfig, ServicePolicy, build_app
 
     exporter = InMemorySpanExporter()

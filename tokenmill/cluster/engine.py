@@ -32,7 +32,7 @@ from typing import Any
 
 from tokenmill.engine.api import EngineConfig, EngineDeadError, EngineStats
 from tokenmill.cluster.replica import rebase_times
-from tokenmill.engine.async_engine import AbortCommand, AddCommand, EngineFront, TuneCommand
+from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, TuneCommand
 from tokenmill.logs import say
 from tokenmill.model.metadata import load_metadata
 

@@ -16,7 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenmill.engine.api import EngineConfig, RequestOutput, make_engine
+from tokenmill.engine.api import EngineConfig, RequestOutput
+from tokenmill.engine.factory import make_engine
 
 
 class EngineReplica:

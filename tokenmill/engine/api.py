@@ -1,11 +1,12 @@
-"""The engine's public face: the only engine module the server, the CLI and other
-clients import. It imports no torch.
+"""The engine's public face: the only engine modules the server, the cluster, the Batch
+API and the CLI import are this one and its leaf of data types (`engine/types.py`,
+re-exported here). It imports no torch.
 
-- `EngineClient`: what a client of the engine may do (start, stop, check, generate,
-  abort, stats). `AsyncEngine` (step loop in a thread) and `ProcessEngine` (in a child
-  process) implement it; `make_engine` picks one.
-- `SamplingParams`, `RequestOutput`, `TokenLogprob`, `Choice`, `EngineStats`: the data
-  that crosses the seam.
+- `EngineClient`: everything a client of an engine may do and read (start, stop, check,
+  generate, abort, stats, tune; tokenizer, limits, generation defaults and context
+  window, keyed by the model name a request gives). The thread, process and cluster
+  engines implement it over one `EngineFront` (`engine/front.py`); the composition
+  module `engine/factory.py` builds one.
 - `RequestLimits.check`: every bound a request must meet, checked in one place before
   any work is allocated. A violation raises `InvalidParameter` (or `AdmissionError` for
   the context window) naming the parameter; the server turns both into a 400.
@@ -14,14 +15,16 @@ clients import. It imports no torch.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
+from tokenmill.engine.types import (GREEDY_BELOW, AdmissionError, Choice, EngineDeadError, EngineStats,
+                                    InvalidParameter, Priority, RequestOutput, RequestTimes, SamplingParams,
+                                    StructuredOutput, TokenLogprob)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -29,97 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdmissionError", "CacheConfig", "Choice", "EngineClient", "EngineConfig", "EngineDeadError",
-    "EngineStats", "InvalidParameter", "ModelOptions", "Priority", "RequestBounds", "RequestLimits",
-    "RequestOutput", "RequestTimes", "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "StructuredOutput",
-    "TokenLogprob", "make_engine",
+    "EngineStats", "GREEDY_BELOW", "InvalidParameter", "ModelOptions", "Priority", "RequestBounds",
+    "RequestLimits", "RequestOutput", "RequestTimes", "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
+    "StructuredOutput", "TokenLogprob", "TUNABLE", "check_knobs",
 ]
-
-
-# -- errors -----------------------------------------------------------------------------
-class InvalidParameter(ValueError):
-    """A request parameter out of bounds; `param` names it as the client sent it."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-class AdmissionError(ValueError):
-    """A request that can never be served (too long for the context or the cache)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped; requests in flight cannot complete."""
-
-
-class Priority(enum.IntEnum):
-    """Request classes; lower value is served first."""
-    INTERACTIVE = 0
-    BATCH = 1
-
-
-# -- request ----------------------------------------------------------------------------
-# A temperature this small is greedy decoding: dividing fp32 logits by it overflows to
-# inf (and the softmax to NaN), so it is taken as the limit it tends to.
-GREEDY_BELOW = 1e-5
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """A constraint on a request's output, which the engine compiles to a grammar
-    (tokenmill/engine/structured) and enforces token by token. `kind` and `value`:
-    json (a JSON schema, as a dict or a JSON string), json_object (None: any JSON
-    object), regex (a regular expression the whole output matches), choice (a list of
-    strings: the output is one of them), grammar (a Lark grammar)."""
-    KINDS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
-    kind: str
-    value: Any = None
-
-
-@dataclass
-class SamplingParams:
-    """How one request wants its tokens chosen and when it wants to stop. Value ranges
-    are checked by `RequestLimits.check`, not here: construction never raises, so the
-    one check sees the request as the client sent it."""
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to the context window (resolved by check)
-    min_tokens: int = 0
-    logprobs: int | None = None  # None: no logprobs; k: the chosen token's plus top-k
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
-    structured: StructuredOutput | None = None  # output constrained by a grammar (None: free text)
-    speculative: bool = True  # False: no speculative drafts for this request (the output is the same)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
 
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what a torch generator accepts (negatives wrap)
@@ -244,89 +160,6 @@ class RequestLimits:
             validate(p.structured)
 
 
-# -- outputs ----------------------------------------------------------------------------
-@dataclass
-class RequestTimes:
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    tokens: list[float] = field(default_factory=list)
-    finished: float | None = None
-    preempted: list[float] = field(default_factory=list)  # when it lost its KV blocks (recomputed later)
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float | None  # None: the first prompt token, which nothing predicts
-    top: list[tuple[int, float]]  # (token id, logprob), best first
-
-
-@dataclass
-class RequestOutput:
-    """One step's news about one sample (index) of one user request."""
-    request_id: str  # the user request's id (shared by its n samples)
-    index: int
-    new_token_ids: list[int]
-    text: str  # new text since the last output
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # position 0 has none
-    times: RequestTimes | None = None
-    # speculative decoding, so far: drafts the model checked for this sample, and how
-    # many it accepted (the output is the same either way)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
-@dataclass
-class Choice:
-    """One sample of a request, accumulated from its outputs."""
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_output_tokens: int = 0
-    times: RequestTimes | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.text
-        self.token_ids += out.new_token_ids
-        if out.logprobs:
-            self.logprobs += out.logprobs
-        self.num_output_tokens = out.num_output_tokens
-        if out.finished:
-            self.finish_reason, self.stop_reason, self.times = out.finish_reason, out.stop_reason, out.times
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_interactive: int = 0
-    num_waiting_batch: int = 0
-    oldest_waiting_s: float = 0.0  # how long the longest-waiting interactive request has waited
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens_computed: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
-    engine_restarts: int = 0  # times the engine was restarted after it died
-    spec_draft_tokens: int = 0  # speculative drafts checked by the model
-    spec_accepted_tokens: int = 0  # of those, accepted
-    spec_verifications: int = 0  # request-steps that checked drafts
-
-
 # -- the client seam --------------------------------------------------------------------
 @runtime_checkable
 class EngineClient(Protocol):
@@ -368,7 +201,6 @@ class EngineClient(Protocol):
         ...
 
 
-ENGINE_MODES = ("process", "thread")
 TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "decode_steps")
 
 
@@ -379,18 +211,3 @@ def check_knobs(knobs: dict[str, int]) -> dict[str, int]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return dict(knobs)
-
-
-def make_engine(config: EngineConfig, mode: str = "process") -> EngineClient:
-    """An engine client for `config`: `process` runs the step loop in a child process
-    (restarted if it dies), `thread` in a thread of this one. Only metadata is read
-    now; weights load when the client starts."""
-    if mode == "process":
-        from tokenmill.engine.process_engine import ProcessEngine
-
-        return ProcessEngine(config)
-    if mode == "thread":
-        from tokenmill.engine.async_engine import AsyncEngine
-
-        return AsyncEngine.load(config)
-    raise ValueError(f"engine mode must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")

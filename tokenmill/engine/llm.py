@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.api import Choice, RequestOutput, SamplingParams, TokenLogprob
+from tokenmill.engine.types import Choice, RequestOutput, SamplingParams, TokenLogprob
 from tokenmill.model.loader import LoadedModel, load_model
 
 

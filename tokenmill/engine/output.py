@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenmill.engine.api import RequestOutput, TokenLogprob
+from tokenmill.engine.types import RequestOutput, TokenLogprob
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import RunnerOutput
 from tokenmill.model.detokenizer import IncrementalDetokenizer

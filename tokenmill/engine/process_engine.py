@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.api import EngineDeadError, InvalidParameter
-from tokenmill.engine.async_engine import AbortCommand, AddCommand, EngineFront, run_commands
+from tokenmill.engine.types import EngineDeadError, InvalidParameter
+from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, run_commands
 from tokenmill.model.metadata import load_metadata
 
 log = logging.getLogger("tokenmill.engine")

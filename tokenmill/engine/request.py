@@ -12,7 +12,7 @@ import enum
 import secrets
 import time
 
-from tokenmill.engine.api import Priority, RequestTimes, SamplingParams
+from tokenmill.engine.types import Priority, RequestTimes, SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -25,7 +25,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from tokenmill.engine.api import TokenLogprob
+from tokenmill.engine.types import TokenLogprob
 from tokenmill.engine.sampler import LogitBias, SamplingBatch, TokenMask, as_int64, sample
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq

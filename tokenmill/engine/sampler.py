@@ -30,7 +30,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from tokenmill.engine.api import GREEDY_BELOW
+from tokenmill.engine.types import GREEDY_BELOW
 from tokenmill.model.kernels import native_ops
 
 _MASK64 = 2 ** 64 - 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.api import Priority, SamplingParams
+from tokenmill.engine.types import Priority, SamplingParams
 from tokenmill.engine.parallel import SampleGroups
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.spec import Speculator

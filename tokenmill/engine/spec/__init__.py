@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.config import SpeculativeConfig
-from tokenmill.engine.api import Priority
+from tokenmill.engine.types import Priority
 from tokenmill.engine.request import Request
 from tokenmill.engine.spec.proposers import SequenceState, make_proposer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from tokenmill.engine.api import InvalidParameter, StructuredOutput
+from tokenmill.engine.types import InvalidParameter, StructuredOutput
 
 # JSON compile options: compact separators, oneOf read as anyOf (both branches valid is
 # the usual case for generated schemas), the schema's own `x-guidance` may override.

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from tokenmill.engine.api import InvalidParameter, StructuredOutput
+from tokenmill.engine.types import InvalidParameter, StructuredOutput
 from tokenmill.engine.structured.grammar import PARAM, grammar_of, spec_key
 
 log = logging.getLogger("tokenmill.engine.structured")

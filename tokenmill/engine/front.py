@@ -1,0 +1,233 @@
+"""The asyncio side of every engine client, torch-free: per-request queues,
+check/generate/abort, death and restart. The thread engine (`async_engine.AsyncEngine`),
+the process engine (`process_engine.ProcessEngine`) and the cluster engine
+(`tokenmill.cluster.engine.ClusterEngine`) subclass `EngineFront` and differ only in
+how they start the step loop, submit commands and read its outputs.
+
+The step loop owns the engine outright; callers talk to it through commands (add,
+abort) and receive outputs through one asyncio queue per request, fed once per step.
+A consumer that goes away (stream closed, task cancelled) aborts its request, which
+frees its blocks before the next step.
+
+When the loop dies, every request in flight ends at once with `EngineDeadError`, and
+the loop is rebuilt (a fresh engine over the same model) and counted; a loop that
+keeps dying gives up, so that a supervisor can restart the whole server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.config import RequestBounds
+from tokenmill.engine.api import RequestLimits, check_knobs
+from tokenmill.engine.types import EngineDeadError, EngineStats, Priority, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.tokenizer import Tokenizer
+
+log = logging.getLogger("tokenmill.engine")
+
+# A loop that dies this often within the window is not restarted again.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+
+
+@dataclass
+class AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # checked: max_tokens resolved
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class AbortCommand:
+    request_id: str
+
+
+@dataclass
+class TuneCommand:
+    knobs: dict[str, int]  # checked by api.check_knobs
+
+
+class EngineFront:
+    """The asyncio side: per-request queues, check/generate/abort, death and restart;
+    subclasses run the loop."""
+
+    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, bounds: RequestBounds):
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.bounds = bounds  # known before start: the server sizes its body limit by it
+        self.error: BaseException | None = None  # set while the loop is dead
+        self.gave_up = False  # the loop kept dying: no more restarts
+        self.on_give_up: Callable[[], None] | None = None  # the server's exit hook
+        self.restarts = 0
+        self._restart_times: deque[float] = deque()
+        self._limits: RequestLimits | None = None  # known once the engine is built
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats: EngineStats = EngineStats()
+        self._stopping = False
+        self._restarting = False
+        self._tuned: dict[str, int] = {}  # knobs changed while serving: a restarted loop gets them too
+
+    # -- to implement -------------------------------------------------------------------
+    def _submit(self, cmd: AddCommand | AbortCommand) -> None:
+        raise NotImplementedError
+
+    async def _restart_loop(self) -> None:
+        """Replace a dead loop by a fresh one (raises if it cannot start)."""
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    # -- the client seam ----------------------------------------------------------------
+    @property
+    def limits(self) -> RequestLimits:
+        if self._limits is None:
+            raise EngineDeadError("the engine has not started")
+        return self._limits
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def stats(self) -> EngineStats:
+        # a snapshot refreshed by the loop after each step
+        return dataclasses.replace(self._stats, engine_restarts=self.restarts)
+
+    def check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SamplingParams:
+        return self.limits.check(prompts, params)
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
+                 tenant: str | None = None, arrival_time: float | None = None,
+                 deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Check the request now (raises InvalidParameter / AdmissionError / EngineDeadError);
+        it is queued when the returned stream is first awaited, so a stream never
+        consumed costs nothing."""
+        if not self.running:
+            raise EngineDeadError("the engine is not running")
+        params = self.check([prompt_token_ids], params)
+        cmd = AddCommand(request_id, list(prompt_token_ids), params,
+                         dict(priority=priority, cache_salt=cache_salt, tenant=tenant,
+                              arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                              deadline=deadline))
+        return self._stream(cmd)
+
+    async def _stream(self, cmd: AddCommand) -> AsyncIterator[RequestOutput]:
+        if not self.running:
+            raise EngineDeadError("the engine is not running")
+        request_id = cmd.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._submit(cmd)
+        remaining = cmd.params.n
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    remaining = 0  # the loop that held it is gone: nothing to abort
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if remaining and self.running:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(AbortCommand(request_id))
+
+    def abort_all(self) -> None:
+        for rid in list(self._queues):
+            self.abort(rid)
+
+    def tune(self, **knobs: int) -> None:
+        knobs = check_knobs(knobs)
+        self._tuned.update(knobs)
+        if self.running:
+            self._submit(TuneCommand(knobs))
+
+    # -- loop side (called on the event loop) -------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(exc)
+
+    def _on_death(self, exc: BaseException) -> None:
+        """The loop died: end every request in flight now, then restart the loop."""
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine failed: {exc!r}")
+        self.error = error
+        for rid in list(self._queues):
+            self._fail(rid, error)
+        if self._stopping or self._restarting:
+            return
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= MAX_RESTARTS:
+            self._give_up(f"the engine died {len(self._restart_times) + 1} times within {RESTART_WINDOW_S:.0f}s")
+            return
+        self._restart_times.append(now)
+        self._restarting = True
+        asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        log.error("%s; restarting it", self.error)
+        try:
+            await self._restart_loop()
+        except BaseException as exc:
+            self._restarting = False
+            self._give_up(f"the engine could not be restarted: {exc!r}")
+            return
+        self._restarting = False
+        self.restarts += 1
+        self.error = None
+        if self._tuned:
+            self._submit(TuneCommand(dict(self._tuned)))
+        log.warning("engine restarted (%d restarts so far)", self.restarts)
+
+    def _give_up(self, why: str) -> None:
+        log.critical("%s; giving up", why)
+        self.gave_up = True
+        if self.on_give_up is not None:
+            self.on_give_up()
+
+
+def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand | TuneCommand]
+                 ) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
+    """Apply queued commands to the engine (an LLMEngine): (outputs of aborts, refused adds)."""
+    outputs: list[RequestOutput] = []
+    refused: list[tuple[str, Exception]] = []
+    for cmd in cmds:
+        if isinstance(cmd, AbortCommand):
+            outputs.extend(engine.abort(cmd.request_id))
+            continue
+        if isinstance(cmd, TuneCommand):
+            engine.tune(cmd.knobs)
+            continue
+        try:
+            engine.add_checked(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
+        except ValueError as exc:
+            refused.append((cmd.request_id, exc))
+    return outputs, refused
+
+

@@ -1,0 +1,185 @@
+"""The data that crosses the engine's seam: errors, request classes, sampling
+parameters, outputs and stats. A leaf: it imports nothing of tokenmill
+and no torch, so every layer (engine internals, server, cluster, batch) may import it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "AdmissionError", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "InvalidParameter", "Priority",
+    "RequestOutput", "RequestTimes", "SamplingParams", "StructuredOutput", "TokenLogprob",
+]
+
+
+# -- errors -----------------------------------------------------------------------------
+class InvalidParameter(ValueError):
+    """A request parameter out of bounds; `param` names it as the client sent it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class AdmissionError(ValueError):
+    """A request that can never be served (too long for the context or the cache)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped; requests in flight cannot complete."""
+
+
+class Priority(enum.IntEnum):
+    """Request classes; lower value is served first."""
+    INTERACTIVE = 0
+    BATCH = 1
+
+
+# -- request ----------------------------------------------------------------------------
+# A temperature this small is greedy decoding: dividing fp32 logits by it overflows to
+# inf (and the softmax to NaN), so it is taken as the limit it tends to.
+GREEDY_BELOW = 1e-5
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, which the engine compiles to a grammar
+    (tokenmill/engine/structured) and enforces token by token. `kind` and `value`:
+    json (a JSON schema, as a dict or a JSON string), json_object (None: any JSON
+    object), regex (a regular expression the whole output matches), choice (a list of
+    strings: the output is one of them), grammar (a Lark grammar)."""
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
+    kind: str
+    value: Any = None
+
+
+@dataclass
+class SamplingParams:
+    """How one request wants its tokens chosen and when it wants to stop. Value ranges
+    are checked by `RequestLimits.check`, not here: construction never raises, so the
+    one check sees the request as the client sent it."""
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context window (resolved by check)
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token's plus top-k
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured: StructuredOutput | None = None  # output constrained by a grammar (None: free text)
+    speculative: bool = True  # False: no speculative drafts for this request (the output is the same)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+# -- outputs ----------------------------------------------------------------------------
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    tokens: list[float] = field(default_factory=list)
+    finished: float | None = None
+    preempted: list[float] = field(default_factory=list)  # when it lost its KV blocks (recomputed later)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float | None  # None: the first prompt token, which nothing predicts
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about one sample (index) of one user request."""
+    request_id: str  # the user request's id (shared by its n samples)
+    index: int
+    new_token_ids: list[int]
+    text: str  # new text since the last output
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # position 0 has none
+    times: RequestTimes | None = None
+    # speculative decoding, so far: drafts the model checked for this sample, and how
+    # many it accepted (the output is the same either way)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
+class Choice:
+    """One sample of a request, accumulated from its outputs."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+    times: RequestTimes | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.new_token_ids
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason, self.times = out.finish_reason, out.stop_reason, out.times
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_interactive: int = 0
+    num_waiting_batch: int = 0
+    oldest_waiting_s: float = 0.0  # how long the longest-waiting interactive request has waited
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    engine_restarts: int = 0  # times the engine was restarted after it died
+    spec_draft_tokens: int = 0  # speculative drafts checked by the model
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verifications: int = 0  # request-steps that checked drafts
