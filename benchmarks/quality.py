@@ -93,7 +93,7 @@ def evaluate_decode(loaded, text_path: str = TEXT, kv_cache_dtype: str = "auto")
             meta.decode_slots = torch.arange(i + 1).view(1, -1)
             meta.decode_mask = torch.ones(1, 1, 1, i + 1, dtype=torch.bool)
         tok, pos = torch.tensor([ids[i]]), torch.tensor([i])
-        fused = model.decode_logits(tok, pos, meta, cache)
+        fused = engine.runner.fused.logits(tok, pos, meta) if engine.runner.fused else None
         logits = fused[0] if fused is not None else model.logits(model.forward(tok, pos, meta, cache))
         lp = torch.log_softmax(logits[0].float(), dim=-1)
         nll -= float(lp[ids[i + 1]])

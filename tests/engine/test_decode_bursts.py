@@ -8,6 +8,7 @@ import pytest
 
 from tests.helpers import make_engine, run_to_completion, tiny_loaded
 from tokenmill.engine.api import SamplingParams
+from tokenmill.model.fused import FusedDecoder
 from tokenmill.model.kernels import native_ops
 
 ops = native_ops()
@@ -173,17 +174,16 @@ def test_stop_string_inside_a_burst(smol):
 def test_bursts_equal_single_steps_through_the_native_loop(smol_int4, monkeypatch):
     if ops is None or not ops.decode_step_available():
         pytest.skip("the native decode loop needs the build with AVX-512 VNNI and BF16")
-    model = smol_int4.model
     tok = smol_int4.tokenizer
     native = []
-    inner = model.decode_steps
+    inner = FusedDecoder.decode_steps
 
-    def counting(*args):
-        toks = inner(*args)
+    def counting(self, *args):
+        toks = inner(self, *args)
         native.append(toks is not None)
         return toks
 
-    monkeypatch.setattr(model, "decode_steps", counting)
+    monkeypatch.setattr(FusedDecoder, "decode_steps", counting)
     chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]),
                       add_special_tokens=False)
     requests = {

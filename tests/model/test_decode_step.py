@@ -50,7 +50,6 @@ def test_fused_decode_step_equals_separate_ops(which, request):
     if ops is None or not ops.decode_step_available():
         pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     smol_int4 = request.getfixturevalue(which)
-    model = smol_int4.model
     tok = smol_int4.tokenizer
     prompts = {
         "short": tok.encode("The capital of France is"),
@@ -66,23 +65,23 @@ def test_fused_decode_step_equals_separate_ops(which, request):
     lengths = {"short": 30, "mid": 20, "long": 10, "code": 25, "chat": 15}
     results = {}
     for fused in (True, False):
-        model.fused_decode = fused
         engine = make_engine(smol_int4, num_blocks=128, prefix_caching=False)
+        decoder = engine.runner.fused
+        if fused:  # counts the steps the native DecodeModel runs
+            counter = decoder.native = _Counting(decoder.native)
+        else:
+            engine.runner.fused = None  # the model's separate native ops
         for rid, ids in prompts.items():
             engine.add_request(rid, ids, SamplingParams(max_tokens=lengths[rid], temperature=0, ignore_eos=True,
                                                         logprobs=3))
-        tokens, logprobs, counter = {}, {}, None
+        tokens, logprobs = {}, {}
         while engine.has_unfinished():
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                 logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
-            if fused and counter is None and model._fused:  # built by the first decode step
-                counter = model._fused = _Counting(model._fused)
         results[fused] = (tokens, logprobs)
         if fused:
-            model._fused = counter.inner
             assert counter.calls >= 25 and counter.rows == {1, 2, 3, 4, 5}
-    model.fused_decode = True
     assert results[True][0] == results[False][0]
     # bit-identical numerics: the same logprobs, not just the same argmax
     assert results[True][1] == results[False][1]
@@ -133,16 +132,14 @@ def test_fused_decode_step_rejects_mismatched_weights(smol_int4):
 
 def _fused_on_new_cache(loaded):
     """The model's native DecodeModel, bound to a fresh engine's (64-block) cache."""
-    model = loaded.model
     engine = make_engine(loaded, num_blocks=64, prefix_caching=False)
-    # built on first use: one decode step builds it (and binds it to this cache)
     engine.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
     while engine.has_unfinished():
         engine.step()
-    fused = model._fused
-    assert fused and model._fused_head
-    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(model.cfg.num_layers)]), [], [])
-    model._fused_cache = engine.kv_cache
+    decoder = engine.runner.fused
+    assert decoder and decoder.has_head
+    fused = decoder.native
+    fused.bind_cache(*zip(*[engine.kv_cache.layer(i) for i in range(loaded.model.cfg.num_layers)]), [], [])
     return fused
 
 
@@ -350,8 +347,10 @@ def test_fused_decode_step_with_qkv_bias_equals_separate_ops(tmp_path):
     prompts = {"a": [5, 17, 200, 3], "b": list(range(40, 80)), "c": [300, 1]}
     results = {}
     for fused in (True, False):
-        model.fused_decode = fused
         engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
+        decoder = engine.runner.fused
+        if not fused:
+            engine.runner.fused = None  # the model's separate native ops
         for rid, ids in prompts.items():
             engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
         tokens, logprobs = {}, {}
@@ -361,8 +360,7 @@ def test_fused_decode_step_with_qkv_bias_equals_separate_ops(tmp_path):
                 logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
         results[fused] = (tokens, logprobs)
         if fused:
-            assert model._fused, "the biased model did not take the fused step"
-    model.fused_decode = True
+            assert decoder, "the biased model did not take the fused step"
     assert results[True] == results[False]
     assert all(len(t) == 12 for t in results[True][0].values())
 
@@ -414,8 +412,10 @@ def test_fused_decode_step_with_q5_0_and_wide_blocks_equals_separate_ops(tmp_pat
     prompts = {"a": [5, 17, 200, 3], "b": list(range(40, 80)), "c": [300, 1]}
     results = {}
     for fused in (True, False):
-        model.fused_decode = fused
         engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
+        decoder = engine.runner.fused
+        if not fused:
+            engine.runner.fused = None  # the model's separate native ops
         for rid, ids in prompts.items():
             engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
         tokens, logprobs = {}, {}
@@ -425,8 +425,7 @@ def test_fused_decode_step_with_q5_0_and_wide_blocks_equals_separate_ops(tmp_pat
                 logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
         results[fused] = (tokens, logprobs)
         if fused:
-            assert model._fused, "the model did not take the fused step"
-    model.fused_decode = True
+            assert decoder, "the model did not take the fused step"
     assert results[True] == results[False]
     assert all(len(t) == 12 for t in results[True][0].values())
     assert len({t for ts in results[True][0].values() for t in ts}) > 3  # not one token over and over

@@ -29,6 +29,7 @@ from tokenmill.engine.types import TokenLogprob
 from tokenmill.engine.sampler import LogitBias, SamplingBatch, TokenMask, as_int64, sample
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
+from tokenmill.model.fused import FusedDecoder
 from tokenmill.model.kernels import native_ops_for
 
 
@@ -52,6 +53,8 @@ class ModelRunner:
         self.grammar = grammar  # structured.GrammarMatchers: masks of constrained rows
         self.kernel = native_ops_for(model.cfg.head_dim) if native_attention else None
         self.kv_cache = kv_cache
+        # decode steps as one native call where the model allows (None: the model's forward)
+        self.fused = FusedDecoder.build(model, kv_cache, self.kernel)
         self.block_size = block_size
         self.vocab_size = model.cfg.vocab_size
 
@@ -73,7 +76,7 @@ class ModelRunner:
         truncs = (torch.tensor([s.params.top_k for s in sch], dtype=torch.int64),
                   torch.tensor([s.params.top_p for s in sch], dtype=torch.float32),
                   torch.tensor([s.params.min_p for s in sch], dtype=torch.float32))
-        toks = self.model.decode_steps(*inputs[:3], self.kv_cache, steps, temps, seeds, indices, *truncs)
+        toks = self.fused.decode_steps(*inputs[:3], steps, temps, seeds, indices, *truncs) if self.fused else None
         if toks is not None:
             return RunnerOutput(sampled={s.request_id: toks[:, i].tolist() for i, s in enumerate(sch)})
         result = RunnerOutput(sampled={s.request_id: [] for s in sch})
@@ -154,12 +157,14 @@ class ModelRunner:
         wants_prompt = [s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) - 1 for s in sch]
         fused = None
         if D == T and len(sample_rows) == T and not any(wants_prompt):
-            fused = self.model.decode_logits(ids_t, pos_t, meta, self.kv_cache)
+            fused = self.fused.logits(ids_t, pos_t, meta) if self.fused else None
         if fused is not None:  # one native call from token ids to logits and their argmax
             logits, greedy = fused
         else:
             greedy = None
-            hidden = self.model.forward(ids_t, pos_t, meta, self.kv_cache)
+            hidden = self.fused.hidden(ids_t, pos_t, meta) if self.fused else None
+            if hidden is None:
+                hidden = self.model.forward(ids_t, pos_t, meta, self.kv_cache)
             if len(sample_rows) == T:  # a decode step that samples every row: no gather
                 logits = self.model.logits(hidden)
             elif sample_rows:

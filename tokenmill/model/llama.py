@@ -15,10 +15,6 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention, row_view
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.quant import Int4Linear, Int8BlockLinear, Q5BlockLinear
-
-FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
-_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)  # the fused step's "no bias" for a matmul
 
 
 class DenseLinear:
@@ -91,18 +87,6 @@ class LlamaModel:
         self.sin32 = freqs.sin()
         self.cos = self.cos32.to(dtype)
         self.sin = self.sin32.to(dtype)
-        # the whole decode step in one native call (see _fused_step); off to compare paths
-        self.fused_decode = True
-        self._fused = None  # DecodeModel, False where this model cannot use it
-        self._fused_head = False  # whether it also runs the embedding and output projection
-        self._fused_rows = 0
-        self._fused_cache = None
-
-    def __getstate__(self) -> dict:
-        """For the prepared-weights cache: the weights, not the native step built from them."""
-        state = dict(self.__dict__)
-        state.update(_fused=None, _fused_head=False, _fused_rows=0, _fused_cache=None)
-        return state
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # One fused op (it accumulates bf16 input in fp32); the reference's five-op form
@@ -156,11 +140,8 @@ class LlamaModel:
         # Attention takes each query row as its own sequence over the cache (row_view), so
         # that a row gets the same numbers whatever else the step holds: with AVX-512 every
         # row through decode attention (which writes the step's K/V first), as the fused
-        # step does; else paged_attention's per-row kernel.
+        # step does (tokenmill/model/fused.py); else paged_attention's per-row kernel.
         rows_native = ops.decode_attention_available()
-        if self._fused_step(ops, meta, T, kv_cache):
-            return self._fused.forward(h, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                       meta.block_size)
         cos = self.cos32.index_select(0, positions)
         sin = self.sin32.index_select(0, positions)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
@@ -184,82 +165,6 @@ class LlamaModel:
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
             x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), next_norm, eps)
         return x
-
-    def _fused_step(self, ops, meta: AttentionMetadata, rows: int, kv_cache) -> bool:
-        """Whether this step can run as one native call (csrc/decode_step.cpp): single-token
-        decodes only, bf16 with every layer matmul on the int8-activation kernels (AVX-512
-        VNNI or AVX2), and under FUSED_DECODE_ROWS rows. Builds the native model on first
-        use, binds the cache when it changes."""
-        if not (self.fused_decode and meta.num_decodes == rows and hasattr(ops, "decode_step_available")
-                and ops.decode_step_available()):
-            return False
-        if self._fused is None:
-            self._fused, self._fused_cache = False, None
-            lins = list(self.layer_linears())
-            usable = (self.dtype == torch.bfloat16
-                      and all(isinstance(lin, (Int4Linear, Int8BlockLinear, Q5BlockLinear)) and lin._vnni is not None
-                              and (lin.bias is None or lin.bias.dtype == torch.bfloat16)
-                              for lin in lins))
-            if usable:
-                cfg = self.cfg
-                norms = [w for layer in self.layers for w in (layer.input_norm, layer.post_norm)] + [self.norm]
-                self._fused = ops.DecodeModel([lin.tiles for lin in lins], [lin.tile_kind for lin in lins], norms,
-                                              self.cos32, self.sin32, cfg.num_heads, cfg.num_kv_heads,
-                                              cfg.head_dim, cfg.rms_norm_eps, self.scale,
-                                              [lin.bias.contiguous() if lin.bias is not None else _NO_BIAS
-                                               for lin in lins])
-                # (the separate ops run the same kernels: the same numbers at any row count)
-                self._fused_rows = FUSED_DECODE_ROWS
-                head = self.lm_head
-                if (isinstance(head, Int8BlockLinear) and self.embed.dtype == torch.bfloat16
-                        and self.embed.is_contiguous()):
-                    self._fused.set_head(self.embed, head.tiles)
-                    self._fused_head = True
-        if not self._fused or rows >= self._fused_rows:
-            return False
-        if self._fused_cache is not kv_cache:
-            layers = [kv_cache.layer(i) for i in range(len(self.layers))]
-            scales = [kv_cache.layer_scales(i) for i in range(len(self.layers))] if kv_cache.quantized else []
-            self._fused.bind_cache([k for k, _ in layers], [v for _, v in layers],
-                                   [k for k, _ in scales], [v for _, v in scales])
-            self._fused_cache = kv_cache
-        return True
-
-    def _fused_to_logits(self, meta: AttentionMetadata, rows: int, kv_cache) -> bool:
-        """Whether the fused step applies and also holds the embedding and the output
-        projection (which its kernel serves at this many rows)."""
-        return (meta.kernel is not None and self._fused_step(meta.kernel, meta, rows, kv_cache)
-                and self._fused_head)
-
-    @torch.inference_mode()
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      kv_cache) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A step of single-token decodes straight to (float32 logits [T, vocab], their row
-        argmax [T]) in one native call: the fused step with the embedding and the output
-        projection inside (the same numbers as forward, then logits). None where that
-        path does not apply; the caller then runs forward and logits."""
-        if not self._fused_to_logits(meta, input_ids.shape[0], kv_cache):
-            return None
-        logits, best = self._fused.forward_logits(input_ids, positions, meta.slot_mapping, meta.block_tables,
-                                                  meta.seq_lens, meta.block_size)
-        return logits, best
-
-    @torch.inference_mode()
-    def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                     kv_cache, steps: int, temps: torch.Tensor, seeds: torch.Tensor,
-                     indices: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                     min_ps: torch.Tensor) -> torch.Tensor | None:
-        """`steps` single-token decode steps in one native call, each step's token the next
-        step's input: the argmax where temps [T] is 0, else sampled at that temperature with
-        the uniform of (seeds [T], indices [T] + step) after truncation by top_ks [T] int64,
-        top_ps and min_ps [T] float32, as the engine's sampler draws (csrc/sampling.h): the
-        tokens step-by-step decoding would pick. int64 [steps, T].
-        The block tables must hold every step's slot. None where the fused path does not
-        apply."""
-        if not self._fused_to_logits(meta, input_ids.shape[0], kv_cache):
-            return None
-        return self._fused.decode_steps(input_ids, positions, meta.block_tables, meta.seq_lens,
-                                        meta.block_size, steps, temps, seeds, indices, top_ks, top_ps, min_ps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

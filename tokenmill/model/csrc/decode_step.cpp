@@ -11,7 +11,7 @@
 // Numerics are those of the separate native ops (same row functions, same bf16
 // roundings, same chunking of attention), so the two paths give identical outputs as
 // long as the separate path would also use the packed kernels for every layer (fewer
-// rows than any layer's switch to its dense copy; see LlamaModel._fused_step).
+// rows than any layer's switch to its dense copy; see tokenmill/model/fused.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -130,41 +130,6 @@ struct Mat {
   int64_t kind = 1;  // tm_quant's tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks (precise), 4 Q5_0 blocks (precise)
   torch::Tensor bias;  // bfloat16 [n], or undefined for none
 };
-
-// Each row's truncation from top_ks int64 [M] and top_ps, min_ps float32 [M].
-std::vector<tm_sample::Truncation> truncations(const torch::Tensor& top_ks, const torch::Tensor& top_ps,
-                                               const torch::Tensor& min_ps, int64_t M) {
-  TORCH_CHECK(top_ks.scalar_type() == at::kLong && top_ks.numel() == M, "top_ks: int64 [M]");
-  TORCH_CHECK(top_ps.scalar_type() == at::kFloat && top_ps.numel() == M && min_ps.scalar_type() == at::kFloat &&
-                  min_ps.numel() == M, "top_ps, min_ps: float32 [M]");
-  auto k = top_ks.contiguous();
-  auto p = top_ps.contiguous();
-  auto mp = min_ps.contiguous();
-  std::vector<tm_sample::Truncation> out(M);
-  for (int64_t b = 0; b < M; ++b)
-    out[b] = {k.data_ptr<int64_t>()[b], p.data_ptr<float>()[b], mp.data_ptr<float>()[b]};
-  return out;
-}
-
-// out[b] for the rows b of logits [M, V] with temps[b] > 0: the token drawn at temps[b]
-// with the uniform of (seeds[b], indices[b] + step) after trunc[b]. Rows in parallel
-// (each is its own: the same tokens on any number of threads).
-void draw_rows(const float* logits, int64_t M, int64_t V, const float* temps, const int64_t* seeds,
-               const int64_t* indices, int64_t step, const std::vector<tm_sample::Truncation>& trunc,
-               int64_t* out) {
-  at::internal::lazy_init_num_threads();
-#pragma omp parallel if (M > 1)
-  {
-    std::vector<float> buf, tmp;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < M; ++b)
-      if (temps[b] > 0.f)
-        out[b] = tm_sample::sample_row(logits + b * V, V, temps[b],
-                                       tm_sample::uniform(static_cast<uint64_t>(seeds[b]),
-                                                          static_cast<uint64_t>(indices[b] + step)),
-                                       buf, trunc[b], tmp);
-  }
-}
 
 }  // namespace
 
@@ -311,7 +276,7 @@ class DecodeModel {
     for (const auto* t : {&positions, &seq_lens, &seeds, &indices})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == M, "int64 [M] positions, lengths, seeds, indices");
     TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.numel() == M, "temps: float32 [M]");
-    const auto trunc = truncations(top_ks, top_ps, min_ps, M);
+    const auto trunc = tm_sample::truncations(top_ks, top_ps, min_ps, M);
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == M,
                 "block tables [M, blocks]");
     TORCH_CHECK(block_size >= 1, "block_size must be positive");
@@ -355,7 +320,7 @@ class DecodeModel {
       }
       Head head{logits.data_ptr<float>(), op + s * M, V};
       step(h, pos, slots, tables, lens, block_size, h, &head);
-      draw_rows(logits.data_ptr<float>(), M, V, tp, seedp, idxp, s, trunc, op + s * M);
+      tm_sample::draw_rows(logits.data_ptr<float>(), M, V, tp, seedp, idxp, s, trunc, op + s * M);
       for (int64_t b = 0; b < M; ++b) {
         cp[b] = op[s * M + b];
         ++pp[b];
@@ -583,46 +548,6 @@ class DecodeModel {
   double eps_, scale_;
 };
 
-// logits [B, V] float32 -> int64 [B]: row b sampled at temps[b] (> 0) with the uniform of
-// (seeds[b], indices[b]) after truncation by top_ks[b] (int64), top_ps[b] and min_ps[b]
-// (float32), as decode_steps samples (sampling.h). The engine's sampler draws every
-// sampled row through this.
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor seeds, torch::Tensor indices,
-                          torch::Tensor top_ks, torch::Tensor top_ps, torch::Tensor min_ps) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.size(1) > 0, "logits: float32 [B, V]");
-  const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.numel() == B, "temps: float32 [B]");
-  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.numel() == B && indices.scalar_type() == at::kLong &&
-                  indices.numel() == B, "seeds, indices: int64 [B]");
-  const auto trunc = truncations(top_ks, top_ps, min_ps, B);
-  auto lc = logits.contiguous();
-  auto tc = temps.contiguous();
-  auto sc = seeds.contiguous();
-  auto ic = indices.contiguous();
-  auto out = torch::empty({B}, sc.options());
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(tc.data_ptr<float>()[b] > 0.f, "sample_rows: temperatures must be positive");
-  draw_rows(lc.data_ptr<float>(), B, V, tc.data_ptr<float>(), sc.data_ptr<int64_t>(), ic.data_ptr<int64_t>(), 0,
-            trunc, out.data_ptr<int64_t>());
-  return out;
-}
-
-// Which tokens of one row [V] float32 the draw's truncation keeps at temperature temp
-// (sampling.h), for tests: bool [V].
-torch::Tensor truncation_kept(torch::Tensor row, double temp, int64_t top_k, double top_p, double min_p) {
-  TORCH_CHECK(row.scalar_type() == at::kFloat && row.dim() == 1 && row.numel() > 0, "row: float32 [V]");
-  TORCH_CHECK(temp > 0.0, "temp must be positive");
-  auto r = row.contiguous();
-  const int64_t V = r.numel();
-  const float* x = r.data_ptr<float>();
-  std::vector<float> e(V), tmp;
-  tm_sample::weights(x, V, static_cast<float>(temp), e.data());
-  tm_sample::truncate(x, e.data(), V, {top_k, static_cast<float>(top_p), static_cast<float>(min_p)}, tmp);
-  auto out = torch::empty({V}, r.options().dtype(at::kBool));
-  for (int64_t i = 0; i < V; ++i) out.data_ptr<bool>()[i] = e[i] > 0.f;
-  return out;
-}
-
 // The fused head's argmax over one row (a multiple of 16 long), for tests.
 int64_t first_max_row(torch::Tensor row) {
   TORCH_CHECK(row.scalar_type() == at::kFloat && row.dim() == 1 && row.numel() > 0 && row.numel() % 16 == 0,
@@ -653,9 +578,6 @@ void bind_decode_step(pybind11::module& m) {
       .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_logits", &DecodeModel::forward_logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("decode_steps", &DecodeModel::decode_steps, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("sample_rows", &sample_rows, "sample each row at its temperature with the uniform of (seed, index)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("truncation_kept", &truncation_kept, "which tokens of one row the draw's top-k/top-p/min-p keep");
   m.def("first_max", &first_max_row, "the fused step's argmax over one float32 row: the first maximum, NaN largest");
   m.def("decode_step_available", &decode_step_available, "whether the fused int4 decode step was built");
 }

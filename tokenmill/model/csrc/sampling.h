@@ -1,5 +1,5 @@
-// Sampling a token from logits, shared by the fused decode step's bursts and the
-// engine's sampler (through sample_rows), so that a sampled request gets the same token
+// Sampling a token from logits, shared by the fused decode step's bursts
+// (decode_step.cpp) and the engine's sampler (sample_rows, sampling.cpp), so that a sampled request gets the same token
 // whichever path a step takes.
 //
 // Random numbers: one uniform per (request seed, output position), from splitmix64 as
@@ -17,6 +17,8 @@
 // one kept; min-p keeps weights at least min_p times the largest (which is 1). Sums are
 // in float64 in vocabulary order, so a row truncates the same in every call.
 #pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -178,6 +180,43 @@ inline int64_t sample_row(const float* row, int64_t V, float temp, double u, std
     }
   }
   return last;  // rounding left the running sum short of thr: the last token with weight
+}
+
+// ---- over tensors: the entry points of sampling.cpp and decode_step.cpp's bursts ----
+
+// Each row's truncation from top_ks int64 [M] and top_ps, min_ps float32 [M].
+inline std::vector<Truncation> truncations(const torch::Tensor& top_ks, const torch::Tensor& top_ps,
+                                           const torch::Tensor& min_ps, int64_t M) {
+  TORCH_CHECK(top_ks.scalar_type() == at::kLong && top_ks.numel() == M, "top_ks: int64 [M]");
+  TORCH_CHECK(top_ps.scalar_type() == at::kFloat && top_ps.numel() == M && min_ps.scalar_type() == at::kFloat &&
+                  min_ps.numel() == M, "top_ps, min_ps: float32 [M]");
+  auto k = top_ks.contiguous();
+  auto p = top_ps.contiguous();
+  auto mp = min_ps.contiguous();
+  std::vector<Truncation> out(M);
+  for (int64_t b = 0; b < M; ++b)
+    out[b] = {k.data_ptr<int64_t>()[b], p.data_ptr<float>()[b], mp.data_ptr<float>()[b]};
+  return out;
+}
+
+// out[b] for the rows b of logits [M, V] with temps[b] > 0: the token drawn at temps[b]
+// with the uniform of (seeds[b], indices[b] + step) after trunc[b]. Rows in parallel
+// (each is its own: the same tokens on any number of threads). Not inlined, so the
+// sampler's calls and the bursts' run one body (one linked copy, the same roundings).
+__attribute__((noinline)) inline void draw_rows(const float* logits, int64_t M, int64_t V, const float* temps,
+                                                const int64_t* seeds, const int64_t* indices, int64_t step,
+                                                const std::vector<Truncation>& trunc, int64_t* out) {
+  at::internal::lazy_init_num_threads();
+#pragma omp parallel if (M > 1)
+  {
+    std::vector<float> buf, tmp;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < M; ++b)
+      if (temps[b] > 0.f)
+        out[b] = sample_row(logits + b * V, V, temps[b],
+                            uniform(static_cast<uint64_t>(seeds[b]), static_cast<uint64_t>(indices[b] + step)),
+                            buf, trunc[b], tmp);
+  }
 }
 
 }  // namespace tm_sample
