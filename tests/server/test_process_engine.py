@@ -46,11 +46,12 @@ def test_process_engine_child_loads_while_the_front_reads_metadata():
     import asyncio
     import multiprocessing
 
-    from tokenmill.cli import engine_config
     from tokenmill.engine.api import SamplingParams
     from tokenmill.engine.factory import make_engine
+    from tokenmill.server.options import ServeOptions
 
-    engine = make_engine(engine_config(None, "bfloat16", "int4", 0.25, 4, 256, None, 16, True, None), "process")
+    engine = make_engine(ServeOptions(dtype="bfloat16", quantization="int4", kv_cache_gb=0.25, max_num_seqs=4,
+                                      max_num_batched_tokens=256).engine_config(), "process")
     early = engine.pid
     assert early is not None and engine.tokenizer is not None
 
@@ -70,7 +71,8 @@ def test_process_engine_child_loads_while_the_front_reads_metadata():
 
     bad = "/nonexistent/model.gguf"
     with pytest.raises(Exception, match="not found"):
-        make_engine(engine_config(bad, "bfloat16", "int4", 0.25, 4, 256, None, 16, True, None), "process")
+        make_engine(ServeOptions(model=bad, dtype="bfloat16", quantization="int4", kv_cache_gb=0.25, max_num_seqs=4,
+                                 max_num_batched_tokens=256).engine_config(), "process")
     deadline = time.monotonic() + 10
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -26,15 +26,15 @@ def traced():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from tokenmill.cli import engine_config
     from tokenmill.cost import load_cards
     from tokenmill.engine.factory import make_engine
     from tokenmill.server.app import ServerConfig, ServicePolicy, build_app
+    from tokenmill.server.options import ServeOptions
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    engine = make_engine(engine_config(None, "float32", "none", 0.25, 8, 512, None, 16, True, None), "thread")
+    engine = make_engine(ServeOptions(dtype="float32", kv_cache_gb=0.25, max_num_seqs=8).engine_config(), "thread")
     app = build_app(engine, ServerConfig(), ServicePolicy(card=load_cards(None)["tokenmill-default"]),
                     tracer_provider=provider)
     port = free_port()

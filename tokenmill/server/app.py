@@ -10,25 +10,22 @@ import asyncio
 import hashlib
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.batch.runner import BatchLimits
-from tokenmill.engine.api import EngineClient, RequestBounds
+from tokenmill.engine.api import EngineClient
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
 from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, check_body_shape
+from tokenmill.server.middleware import Frontdoor, ServerState, bounded_route
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.serving import RequestContext, new_id
 from tokenmill.server.serving_chat import ServingChat
 from tokenmill.server.serving_completion import ServingCompletion
@@ -38,7 +35,6 @@ from tokenmill.server.ui import add_console_routes
 
 log = logging.getLogger("tokenmill.server")
 ANONYMOUS = "anonymous"
-AUTH_ERROR = "invalid or missing API key"  # one message: never say which part was wrong
 
 
 @dataclass(frozen=True)
@@ -62,24 +58,6 @@ class ServicePolicy:
     batch: BatchLimits = field(default_factory=BatchLimits)
 
 
-class ServerState:
-    """What the middleware and routes share about this server's lifecycle."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.inflight = 0
-        self.started = time.time()
-        self.on_fatal = None  # set by the launcher: exit non-zero (the engine cannot recover)
-
-
-class _BodyTooLarge(StarletteHTTPException):
-    """Raised while a body without a declared length is read; an HTTP exception so that
-    the body parser passes it on (413) instead of calling the body malformed."""
-
-    def __init__(self, limit: int):
-        super().__init__(413, f"the request body exceeds {limit} bytes")
-
-
 LAG_PROBE_S = 0.05  # how often the event loop's lag is sampled
 
 
@@ -90,109 +68,6 @@ async def watch_loop_lag(metrics: Metrics) -> None:
         t = loop.time()
         await asyncio.sleep(LAG_PROBE_S)
         metrics.observe_loop_lag(max(0.0, loop.time() - t - LAG_PROBE_S))
-
-
-class Frontdoor:
-    """Pure ASGI middleware (streaming-safe), outermost:
-    - every response carries x-request-id (the client's own if sent) and, for a tenant
-      with limits, the x-ratelimit-* headers; status codes are counted;
-    - API calls need `Authorization: Bearer KEY` when a key store is configured (401);
-    - while draining for shutdown new API requests get 503;
-    - when the exchange ends, however it ends, the request's settlement runs."""
-
-    def __init__(self, app: ASGIApp, state: ServerState, metrics: Metrics, gate: Gate,
-                 keys: KeyStore | None, open_tenant: Tenant, max_body_bytes: int, upload_bytes: int | None = None):
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-        self.upload_bytes = upload_bytes  # POST /v1/files (multipart overhead included)
-        self.state = state
-        self.metrics = metrics
-        self.gate = gate
-        self.keys = keys
-        self.open_tenant = open_tenant
-
-    def _tenant(self, scope: Scope) -> Tenant | None:
-        if self.keys is None:
-            return self.open_tenant
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                scheme, _, token = v.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer" and token.strip():
-                    return self.keys.authenticate(token.strip())
-        return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = next((v.decode("latin-1")[:200] for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
-        rid = rid or uuid.uuid4().hex
-        state = scope.setdefault("state", {})
-        state["client_request_id"] = rid
-        is_api = scope["path"].startswith("/v1/")
-        tenant = self._tenant(scope) if is_api else None
-        state["tenant"] = tenant
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if not k.startswith(b"x-ratelimit-")]
-                headers.append((b"x-request-id", rid.encode("latin-1")))
-                ctx = state.get("ctx")
-                if ctx is not None:
-                    ctx.status_code = message["status"]
-                    if ctx.trace is not None and ctx.trace.traceparent:
-                        headers.append((b"traceparent", ctx.trace.traceparent.encode("latin-1")))
-                for k, v in self.gate.headers_for(tenant).items():
-                    headers.append((k.encode("latin-1"), v.encode("latin-1")))
-                message["headers"] = headers
-                self.metrics.responses.labels(status_code=str(message["status"])).inc()
-            await send(message)
-
-        if is_api and tenant is None:
-            await APIError(401, AUTH_ERROR, code="invalid_api_key").response()(scope, receive, send_wrapper)
-            return
-        limit = self.max_body_bytes
-        if self.upload_bytes is not None and scope["path"] == "/v1/files":
-            limit = self.upload_bytes
-        too_large = APIError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
-        length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            await too_large.response()(scope, receive, send_wrapper)
-            return
-        received = 0
-        started = False
-
-        async def limited_receive() -> Message:  # a body sent without a length is counted as it comes
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _BodyTooLarge(limit)
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send_wrapper(message)
-        counted = is_api and scope["method"] == "POST"
-        if counted and self.state.draining:
-            resp = APIError(503, "the server is shutting down", code="shutting_down").response()
-            await resp(scope, receive, send_wrapper)
-            return
-        if counted:
-            self.state.inflight += 1
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await too_large.response()(scope, receive, send_wrapper)
-        finally:
-            if counted:
-                self.state.inflight -= 1
-            ctx = state.get("ctx")
-            if ctx is not None:
-                ctx.finish()
 
 
 def _timeout_header(raw: Request) -> float | None:
@@ -208,25 +83,6 @@ def _timeout_header(raw: Request) -> float | None:
     return t
 
 
-def bounded_route(bounds: RequestBounds) -> type[APIRoute]:
-    """A route class that checks a POST body's bounded lists before FastAPI parses it
-    (protocol.check_body_shape): a million stop strings are refused in milliseconds,
-    not after a second of building Python objects on the event loop."""
-
-    class BoundedRoute(APIRoute):
-        def get_route_handler(self):
-            handler = super().get_route_handler()
-
-            async def route(request: Request) -> Response:
-                if request.method == "POST":
-                    check_body_shape(await request.body(), bounds)  # the body is kept for the parser
-                return await handler(request)
-
-            return route
-
-    return BoundedRoute
-
-
 def build_app(engine: EngineClient, config: ServerConfig | None = None,
               policy: ServicePolicy | None = None, tracer_provider: object | None = None,
               autotune: AutotuneConfig | None = None) -> FastAPI:
@@ -235,7 +91,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     its scheduling knobs to meet while it runs (None: the knobs stay as configured)."""
     config = config or ServerConfig()
     policy = policy or ServicePolicy()
-    model_name = config.served_model_name or engine.model_config.name
+    model_name = engine.model_names()[0]  # (--served-model-name reaches the engine's config)
+    served = engine.served  # per model: tokenizer, limits, generation defaults
     if engine.tokenizer is None:
         raise ValueError("the server needs a model with a tokenizer")
     state = ServerState()
@@ -340,9 +197,14 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
-            "max_model_len": engine.max_model_len}]}
+        data = []
+        for name in engine.model_names():
+            m = served(name)
+            data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
+                         "max_model_len": m.max_model_len,
+                         # what a request that says nothing gets (the model's own, then the server's)
+                         "generation_defaults": m.defaults.as_dict()})
+        return {"object": "list", "data": data}
 
     @app.get("/health")
     async def health() -> Response:

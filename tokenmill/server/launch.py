@@ -1,4 +1,9 @@
-"""Run the app under uvicorn with graceful shutdown.
+"""Assemble the server from `ServeOptions` and run it under uvicorn with graceful shutdown.
+
+`build_server(options)` makes everything `tokenmill serve` and `tokenmill cluster serve`
+start: logging, tracing, the autotuner, the key store, the rate card, the Batch API's
+store, the engine (local, or the cluster's replicas) and the app. A problem the user can
+fix raises `OptionError` with the one line to print, before the model loads where it can.
 
 On the first SIGTERM or SIGINT the server stops admitting (503), gives requests in
 flight `shutdown_timeout_s` to finish, aborts the rest, then exits 0. A second
@@ -9,14 +14,20 @@ with status 3, for a supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.util
 import logging
+import os
 import signal
 import sys
 
 import uvicorn
 from fastapi import FastAPI
 
-from tokenmill.server.app import drain
+from tokenmill.config import EngineConfig
+from tokenmill.engine.api import EngineClient
+from tokenmill.server.app import ServerConfig, ServicePolicy, build_app, drain
+from tokenmill.server.options import OptionError, ServeOptions
 
 log = logging.getLogger("tokenmill.server")
 
@@ -51,13 +62,138 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(app: FastAPI, host: str, port: int, shutdown_timeout_s: float, log_level: str = "info",
-               own_logging: bool = False) -> None:
-    """`own_logging`: keep the root logger's handlers (JSON lines) for uvicorn's loggers too."""
-    extra = {"log_config": None} if own_logging else {}
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on", **extra)
-    server = GracefulServer(config, app, shutdown_timeout_s)
+def build_server(options: ServeOptions) -> FastAPI:
+    """The app `options` describe, its engine made (weights load when the app starts)."""
+    from tokenmill.logs import configure_logging
+
+    template = read_chat_template(options.chat_template) if options.chat_template is not None else None
+    configure_logging(options.log_level, options.log_format)
+    tracer_provider = _tracer_provider(options)
+    autotune = _autotune(options)
+    policy = _policy(options)
+    engine = _engine(options)
+    if engine.tokenizer is None:
+        raise OptionError("this model has no tokenizer; the server needs one")
+    config = ServerConfig(host=options.host, port=options.port, served_model_name=options.served_model_name,
+                          shutdown_timeout_s=options.shutdown_timeout, chat_template=template)
+    return build_app(engine, config, policy, tracer_provider=tracer_provider, autotune=autotune)
+
+
+def read_chat_template(path: str) -> str:
+    """The template file's text, compiled once here so that a missing or broken file stops
+    the command before the model loads."""
+    from jinja2 import TemplateError
+
+    from tokenmill.model.tokenizer import ChatTemplate
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        ChatTemplate(source, None, None)
+    except OSError as exc:
+        raise OptionError(f"--chat-template: cannot read {path}: {exc.strerror}") from None
+    except (TemplateError, UnicodeDecodeError) as exc:
+        raise OptionError(f"--chat-template: {path} is not a valid Jinja template: {exc}") from None
+    return source
+
+
+def _tracer_provider(options: ServeOptions) -> object | None:
+    if options.otlp_traces_endpoint is None:
+        return None
+    from tokenmill.server.telemetry import otlp_tracer_provider
+
+    try:
+        return otlp_tracer_provider(options.otlp_traces_endpoint)
+    except ImportError as exc:
+        raise OptionError(f"tracing needs the OpenTelemetry SDK and OTLP exporter ({exc}); pip install "
+                          "'tokenmill[tracing]'") from None
+
+
+def _autotune(options: ServeOptions):
+    if options.slo_ttft_ms is None:
+        return None
+    from tokenmill.server.autotune import SLO, AutotuneConfig, Knobs
+
+    o = options
+    return AutotuneConfig(SLO(o.slo_ttft_ms / 1000, o.slo_itl_ms / 1000, o.slo_percentile),
+                          Knobs(o.max_num_seqs, o.max_num_batched_tokens, o.decode_steps, o.max_waiting),
+                          interval_s=o.autotune_interval, hold_s=o.autotune_hold)
+
+
+def _policy(options: ServeOptions) -> ServicePolicy:
+    """Keys, the tenants' default limits, admission, the rate card and the Batch API's store."""
+    from tokenmill.batch.runner import BatchLimits
+    from tokenmill.cost import CardError, load_cards, with_machine
+    from tokenmill.server.gate import AdmissionConfig
+    from tokenmill.server.keys import KeyStore, TenantLimits
+
+    o = options
+    keys = KeyStore(o.keys_db) if o.keys_db else None
+    if keys is None or not keys.has_keys():
+        if o.host not in ("127.0.0.1", "localhost", "::1") and not o.allow_open:
+            raise OptionError(f"refusing to serve {o.host} without API keys: add keys (tokenmill keys add) and "
+                              "pass --keys-db, or pass --allow-open to serve it open")
+        log.warning("no API keys configured: the server is open to anyone who can reach %s:%d", o.host, o.port)
+    try:
+        card_set = load_cards(o.cards)
+        if o.price_card not in card_set:
+            raise OptionError(f"unknown rate card {o.price_card!r}; known: {', '.join(sorted(card_set))}")
+        card = card_set[o.price_card]
+        if o.usd_per_hour is not None:
+            card = with_machine(card, usd_per_hour=o.usd_per_hour)
+        defaults = TenantLimits(max_prompt_tokens=o.max_prompt_tokens, max_output_tokens=o.max_output_tokens,
+                                max_work_tokens=o.max_work_tokens)
+    except (CardError, ValueError) as exc:
+        raise OptionError(str(exc)) from None
+    batch_store = None
+    if o.batch_api:
+        from tokenmill.batch.store import BatchStore, StoreLocked, default_data_dir
+
+        try:
+            batch_store = BatchStore(o.data_dir or default_data_dir(o.port))
+        except (StoreLocked, OSError) as exc:
+            raise OptionError(f"{exc} (pass another --data-dir, or --no-batch-api)") from None
+    return ServicePolicy(keys=keys, defaults=defaults, card=card, batch_store=batch_store,
+                         batch=BatchLimits(max_inflight=o.batch_inflight, max_lines=o.batch_max_lines,
+                                           max_file_bytes=int(o.batch_max_file_mb * 1e6)),
+                         admission=AdmissionConfig(max_waiting_interactive=o.max_waiting,
+                                                   max_waiting_batch=o.max_waiting_batch))
+
+
+def _engine(options: ServeOptions) -> EngineClient:
+    from tokenmill.engine.factory import make_engine
+    from tokenmill.model.config import ModelLoadError
+
+    try:
+        config = options.engine_config()
+        return _cluster_engine(options, config) if options.cluster else make_engine(config, options.engine_mode)
+    except (ValueError, ModelLoadError) as exc:
+        raise OptionError(str(exc)) from None
+
+
+def _cluster_engine(options: ServeOptions, config: EngineConfig) -> EngineClient:
+    if importlib.util.find_spec("ray") is None:
+        raise OptionError("cluster serving needs Ray Serve: pip install 'tokenmill[cluster]'")
+    from tokenmill.cluster.engine import ClusterEngine, ClusterOptions
+
+    o = options
+    if config.num_threads is None:  # the cores shared out, not every replica on all of them
+        share = (os.cpu_count() or 1) // (o.replica_count or o.max_replicas)
+        config = dataclasses.replace(config, num_threads=max(1, share))
+    return ClusterEngine(config, ClusterOptions(
+        replicas=o.replica_count, min_replicas=o.min_replicas, max_replicas=o.max_replicas,
+        target_ongoing=o.target_ongoing, scale_down_delay_s=o.scale_down_delay, routing=o.routing,
+        imbalance=o.imbalance, address=o.address, log_format=o.log_format))
+
+
+def run_server(app: FastAPI, options: ServeOptions) -> None:
+    """Serve `app` until a signal (exit 0 after the drain) or an engine that cannot be
+    restarted (exit 3)."""
+    # json logs: keep the root logger's handlers (JSON lines) for uvicorn's loggers too
+    extra = {"log_config": None} if options.log_format == "json" else {}
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level.lower(),
+                            access_log=False, timeout_graceful_shutdown=5, lifespan="on", **extra)
+    server = GracefulServer(config, app, options.shutdown_timeout)
     server.run()
     if server.exit_code:
         sys.exit(server.exit_code)

@@ -1,0 +1,245 @@
+"""`ServeOptions`: every option of `tokenmill serve` and `tokenmill cluster serve`, in one
+frozen object, checked once when it is made.
+
+Each field is the whole definition of its option: default, flag and help. The CLI
+builds both commands' flags from these fields (tokenmill/cli.py), so an option is added
+in one place; `only` marks the few that belong to one of the two commands. What can be
+checked without touching the machine (value ranges, pairs, the engine's own config
+checks) is checked here and refused with `OptionError`, a one-line message naming the
+flag; what needs the disk or the network (the key store, rate cards, the data dir, the
+model file) is checked by the launcher (tokenmill/server/launch.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tokenmill.cluster.routing import POLICIES
+from tokenmill.config import (DEFAULT_MAX_TOKENS, CacheConfig, EngineConfig, ModelOptions, RequestBounds,
+                              SchedulerConfig, SpeculativeConfig)
+from tokenmill.engine.factory import ENGINE_MODES
+
+MODEL_HELP = ("GGUF file, Hugging Face folder, or an installed model's name (tokenmill models list; default: the "
+              "embedded SmolLM2-135M-Instruct).")
+DTYPE_HELP = ("Compute dtype: float32 or bfloat16 (default). --dtype float32 alone is the exact mode "
+              "(no quantization); quantized weights compute in bfloat16.")
+QUANT_HELP = ("Weight-only quantization: auto, none, int8 or int4 (bfloat16 compute). The default, auto, keeps "
+              "the file's blocks: int8 for a Q8_0 file, int4 for 4-bit ones and for float weights (the fastest "
+              "setting within 1% perplexity of float32, see benchmarks/quality.py), and in a 4-bit file its "
+              "Q5_0 blocks as Q5_0 and its 6-8-bit ones (Q6_K, Q8_0) at 8 bits; int4 rounds every layer to 4 "
+              "bits (faster, less faithful); with --dtype float32 the default is none.")
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_QUANT = "auto"
+LOG_FORMATS = ("text", "json")
+
+
+class OptionError(ValueError):
+    """An option the server cannot run with; the message is the one line the CLI prints."""
+
+
+def precision(dtype: str | None, quantization: str | None) -> tuple[str, str]:
+    """The (dtype, quantization) the flags ask for: a flag the user set does what it says,
+    or it is refused. Quantized weights compute in bfloat16, so float32 means no
+    quantization unless one is asked for (which is refused)."""
+    if dtype is not None and dtype not in ("float32", "bfloat16"):
+        raise OptionError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if quantization is not None and quantization not in ("auto", "none", "int8", "int4"):
+        raise OptionError(f"--quantization must be auto, none, int8 or int4, got {quantization!r}")
+    if dtype == "float32":
+        if quantization not in (None, "none"):
+            raise OptionError(f"--quantization {quantization} computes in bfloat16, so it cannot run with "
+                              "--dtype float32; drop one of the two")
+        return "float32", "none"
+    return dtype or DEFAULT_DTYPE, quantization or DEFAULT_QUANT
+
+
+def option(default, flags: str, help: str | None = None, only: str | None = None):
+    """A field that is a command-line option. `flags`: as click spells them ("--x" or
+    "--x/--no-x"); `only`: "serve" or "cluster" for an option of one command alone."""
+    return field(default=default, metadata={"flags": flags, "help": help, "only": only})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    model: str | None = option(None, "--model", MODEL_HELP)
+    dtype: str | None = option(None, "--dtype", DTYPE_HELP)
+    quantization: str | None = option(None, "--quantization", QUANT_HELP)
+    host: str = option("127.0.0.1", "--host")
+    port: int = option(8000, "--port")
+    served_model_name: str | None = option(None, "--served-model-name",
+                                           "Model id to serve (default: the model's name).")
+    chat_template: str | None = option(
+        None, "--chat-template", "A Jinja chat template file to use instead of the model's own (as transformers "
+                                 "renders it; one that mentions `tools` gets the request's tools and tool calls "
+                                 "as they are).")
+    kv_cache_gb: float | None = option(None, "--kv-cache-gb", "KV cache size (default: 1/4 of free memory, max 2 GiB).")
+    kv_cache_dtype: str = option("auto", "--kv-cache-dtype",
+                                 "auto: the model's dtype; int8: K/V rows in int8 with a scale each (half of bf16's "
+                                 "bytes, +0.26% perplexity).")
+    max_num_seqs: int = option(64, "--max-num-seqs", "Most sequences in one step.")
+    max_num_batched_tokens: int = option(512, "--max-num-batched-tokens", "Token budget per step.")
+    decode_steps: int = option(8, "--decode-steps",
+                               "Greedy decode steps run natively in one go, shared among the sequences (tokens "
+                               "stream in bursts); 1: one step at a time.")
+    max_model_len: int | None = option(None, "--max-model-len", "Context window (default: model's).")
+    block_size: int = option(16, "--block-size", "Tokens per KV block.")
+    prefix_caching: bool = option(True, "--prefix-caching/--no-prefix-caching")
+    num_threads: int | None = option(None, "--num-threads", "Torch threads (default: all cores).")
+    shutdown_timeout: float = option(30.0, "--shutdown-timeout", "Seconds in-flight requests get to finish on SIGTERM.")
+    keys_db: str | None = option(None, "--keys-db", "Enforce API keys from this SQLite file.")
+    allow_open: bool = option(False, "--allow-open", "Allow a non-loopback --host without API keys (anyone can use it).")
+    max_prompt_tokens: int | None = option(None, "--max-prompt-tokens", "Default per-request prompt cap.")
+    max_output_tokens: int | None = option(None, "--max-output-tokens",
+                                           "Default per-request output cap (ends with 'length').")
+    max_work_tokens: int | None = option(None, "--max-work-tokens", "Default per-request cap on prompt + output tokens.")
+    default_max_tokens: int = option(
+        DEFAULT_MAX_TOKENS, "--default-max-tokens",
+        "Output cap of a request that sets no max_tokens (after the model's own generation defaults), so a "
+        "silent request cannot hold a sequence slot until the context is full; 0: up to the context window. "
+        "--max-output-tokens, by contrast, clamps every request.")
+    generation_config: str = option(
+        "auto", "--generation-config",
+        "Sampling defaults where a request says nothing: auto (the model's own: GGUF general.sampling.*, "
+        "generation_config.json, or its install recipe), none (the API's: temperature 1, no truncation), or a "
+        "generation_config.json file.")
+    max_waiting: int = option(256, "--max-waiting", "Interactive requests that may wait; then 503.")
+    max_n: int = option(16, "--max-n", "Most samples (n, best_of) one request may ask for.")
+    max_body_mb: float = option(8.0, "--max-body-mb", "Largest request body in MiB; larger: 413.")
+    max_waiting_batch: int = option(4096, "--max-waiting-batch", "Batch requests that may wait.")
+    price_card: str = option("tokenmill-default", "--price-card", "Rate card for usage.cost.")
+    cards: str | None = option(None, "--cards", "Rate card file or folder (default: shipped).")
+    usd_per_hour: float | None = option(None, "--usd-per-hour", "This machine's cost, for a self-hosted card.")
+    data_dir: str | None = option(None, "--data-dir", "Where Batch API files and batches are kept (default: "
+                                                      "~/.local/share/tokenmill/server-PORT).")
+    batch_api: bool = option(True, "--batch-api/--no-batch-api", "Serve /v1/files and /v1/batches.")
+    batch_inflight: int = option(16, "--batch-inflight",
+                                 "Batch lines handed to the engine at once (it runs them after interactive work).")
+    batch_max_lines: int = option(50_000, "--batch-max-lines", "Most requests in one batch file.")
+    batch_max_file_mb: float = option(200.0, "--batch-max-file-mb", "Largest batch file in MB.")
+    batch_share: float = option(0.05, "--batch-share",
+                                "While interactive requests run, batch requests get this share of the tokens steps "
+                                "process (so they never starve).")
+    batch_step_tokens: int = option(16, "--batch-step-tokens",
+                                    "With no interactive work, the most tokens of a batch-only step (an interactive "
+                                    "request that arrives waits for it).")
+    speculative: str = option("off", "--speculative",
+                              "Speculative decoding from text: ngram (drafts from the request's own prompt and "
+                              "output), suffix (and from the same tenant's recent outputs) or off. The output is the "
+                              "same; drafts are checked in one step and turned down per request where they miss.")
+    num_speculative_tokens: int = option(5, "--num-speculative-tokens", "Most drafts one request gets in one step.")
+    engine_mode: str = option("process", "--engine",
+                              "Where the step loop runs: process (a child process; measured faster) or thread.",
+                              only="serve")
+    log_level: str = option("info", "--log-level")
+    log_format: str = option("text", "--log-format",
+                             "text, or json: one JSON object per line with request and trace ids, and a line per "
+                             "finished request.")
+    otlp_traces_endpoint: str | None = option(
+        None, "--otlp-traces-endpoint",
+        "Send a span per request (OpenTelemetry GenAI attributes) to this OTLP/HTTP endpoint, e.g. "
+        "http://localhost:4318/v1/traces; an incoming W3C traceparent becomes its parent.")
+    slo_ttft_ms: float | None = option(
+        None, "--slo-ttft-ms",
+        "Time-to-first-token objective; with --slo-itl-ms the server tunes --max-num-seqs, --max-num-batched-tokens, "
+        "--decode-steps and --max-waiting (as upper bounds) while it runs, to maximize the requests meeting both.",
+        only="serve")
+    slo_itl_ms: float | None = option(None, "--slo-itl-ms", "Inter-token latency objective (each request's mean).",
+                                      only="serve")
+    slo_percentile: float = option(90.0, "--slo-percentile", "The percentile of requests the objectives are judged at.",
+                                   only="serve")
+    autotune_interval: float = option(2.0, "--autotune-interval", "Seconds between tuning decisions.", only="serve")
+    autotune_hold: float = option(20.0, "--autotune-hold",
+                                  "Seconds a knob lowered for a violation is not raised again (doubled each time a "
+                                  "raise of it had to be taken back).", only="serve")
+    replicas: str = option("2", "--replicas", "Engine replicas: a number, or auto (Ray Serve autoscaling between "
+                                              "--min-replicas and --max-replicas).", only="cluster")
+    min_replicas: int = option(1, "--min-replicas", "With --replicas auto: the fewest replicas.", only="cluster")
+    max_replicas: int = option(4, "--max-replicas", "With --replicas auto: the most replicas.", only="cluster")
+    target_ongoing: float = option(8.0, "--target-ongoing",
+                                   "With --replicas auto: requests in flight per replica to scale toward (running "
+                                   "plus waiting).", only="cluster")
+    scale_down_delay: float = option(30.0, "--scale-down-delay",
+                                     "With --replicas auto: seconds the load must stay below the target before a "
+                                     "replica is removed (it drains first).", only="cluster")
+    routing: str = option("affinity", "--routing", "affinity (prefix-cache affinity with a load guard), round_robin "
+                                                   "or p2c (power of two choices).", only="cluster")
+    imbalance: int = option(4, "--imbalance", "Load guard: requests a prompt's preferred replica may have above the "
+                                              "least busy one before the request goes to the least busy.",
+                            only="cluster")
+    address: str | None = option(None, "--address", "Join this Ray cluster (e.g. auto, or HOST:6379) instead of "
+                                                    "starting a local one.", only="cluster")
+    cluster: bool = False  # `tokenmill cluster serve`: the engine's replicas on Ray Serve
+
+    def __post_init__(self) -> None:
+        precision(self.dtype, self.quantization)
+        if self.log_format not in LOG_FORMATS:
+            raise OptionError(f"--log-format must be text or json, got {self.log_format!r}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://", "https://")):
+            raise OptionError(f"--otlp-traces-endpoint must be an http(s) URL, got {self.otlp_traces_endpoint!r}")
+        if (self.slo_ttft_ms is None) != (self.slo_itl_ms is None):
+            raise OptionError("give both --slo-ttft-ms and --slo-itl-ms (the tuner balances the two)")
+        if self.slo_ttft_ms is not None and not (
+                self.slo_ttft_ms > 0 and self.slo_itl_ms > 0 and 50 <= self.slo_percentile < 100
+                and self.autotune_interval > 0 and self.autotune_hold >= 0):
+            raise OptionError("--slo-ttft-ms, --slo-itl-ms and --autotune-interval must be positive and "
+                              "--slo-percentile in [50, 100)")
+        if self.batch_api and (self.batch_inflight < 1 or self.batch_max_lines < 1 or self.batch_max_file_mb <= 0):
+            raise OptionError("--batch-inflight, --batch-max-lines and --batch-max-file-mb must be positive")
+        if self.engine_mode not in ENGINE_MODES:
+            raise OptionError(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}")
+        self._check_cluster()
+        try:
+            self.engine_config(resolve=False)  # the engine config's own checks, before anything starts
+        except ValueError as exc:
+            raise OptionError(str(exc)) from None
+
+    def _check_cluster(self) -> None:
+        if self.routing not in POLICIES:
+            raise OptionError(f"--routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
+        if self.replicas == "auto":
+            if not (1 <= self.min_replicas <= self.max_replicas and self.target_ongoing > 0
+                    and self.scale_down_delay >= 0):
+                raise OptionError("--replicas auto needs 1 <= --min-replicas <= --max-replicas, a positive "
+                                  "--target-ongoing and a --scale-down-delay of 0 or more")
+        elif not (self.replicas.isdigit() and int(self.replicas) >= 1):
+            raise OptionError(f"--replicas must be a positive number or auto, got {self.replicas!r}")
+        if self.imbalance < 0:
+            raise OptionError("--imbalance must be 0 or more")
+
+    @property
+    def replica_count(self) -> int | None:
+        """A fixed number of replicas, or None under --replicas auto."""
+        return None if self.replicas == "auto" else int(self.replicas)
+
+    def engine_config(self, resolve: bool = True) -> EngineConfig:
+        """The engine's config. `resolve`: a known model's name becomes its installed file
+        (tokenmill/model/registry.py; raises ModelLoadError when it is not installed)."""
+        path = self.model
+        if resolve:
+            from tokenmill.model.registry import resolve as resolve_model
+
+            path = resolve_model(path)
+        dtype, quantization = precision(self.dtype, self.quantization)
+        return EngineConfig(
+            model=ModelOptions(path=path, dtype=dtype, quantization=quantization, served_name=self.served_model_name,
+                               generation_config=self.generation_config,
+                               default_max_tokens=self.default_max_tokens or None),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_gb=self.kv_cache_gb,
+                              enable_prefix_caching=self.prefix_caching, kv_cache_dtype=self.kv_cache_dtype),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                decode_steps=self.decode_steps, batch_share=self.batch_share,
+                batch_step_tokens=self.batch_step_tokens,
+                speculative=SpeculativeConfig(method=self.speculative,
+                                              num_speculative_tokens=self.num_speculative_tokens)),
+            max_model_len=self.max_model_len,
+            num_threads=self.num_threads,
+            bounds=RequestBounds(max_n=self.max_n, max_body_bytes=int(self.max_body_mb * 1024 * 1024)),
+        )
+
+
+def cli_fields(command: str) -> list[dataclasses.Field]:
+    """The fields that are options of `command` ("serve" or "cluster"), in help order."""
+    return [f for f in dataclasses.fields(ServeOptions)
+            if "flags" in f.metadata and f.metadata["only"] in (None, command)]
