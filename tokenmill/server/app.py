@@ -91,8 +91,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     its scheduling knobs to meet while it runs (None: the knobs stay as configured)."""
     config = config or ServerConfig()
     policy = policy or ServicePolicy()
-    model_name = engine.model_names()[0]  # (--served-model-name reaches the engine's config)
-    served = engine.served  # per model: tokenizer, limits, generation defaults
+    model_name = config.served_model_name or engine.model_config.name
     if engine.tokenizer is None:
         raise ValueError("the server needs a model with a tokenizer")
     state = ServerState()
@@ -197,14 +196,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        data = []
-        for name in engine.model_names():
-            m = served(name)
-            data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
-                         "max_model_len": m.max_model_len,
-                         # what a request that says nothing gets (the model's own, then the server's)
-                         "generation_defaults": m.defaults.as_dict()})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
+            "max_model_len": engine.max_model_len}]}
 
     @app.get("/health")
     async def health() -> Response:
