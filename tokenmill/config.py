@@ -31,12 +31,27 @@ class RequestBounds:
                 raise ValueError(f"{f.name} must be positive, got {getattr(self, f.name)}")
 
 
+DEFAULT_MAX_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     path: str | None = None  # None: the embedded SmolLM2 GGUF
     dtype: str = "float32"
     quantization: str = "none"  # none | int8 | int4 (weight-only; computes in bfloat16)
-    served_name: str | None = None
+    served_name: str | None = None  # what requests call it (default: the model's own name)
+    # Sampling where a request says nothing: "auto" the model's own generation defaults
+    # (tokenmill/model/generation.py), "none" the API's (temperature 1, no truncation),
+    # or a generation_config.json file of the operator's
+    generation_config: str = "auto"
+    # The output cap of a request that sets no max_tokens, after the model's own
+    # defaults: a silent request at a small model's temperature could otherwise hold a
+    # sequence slot until the context is full. None: up to the context window.
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "suffix")

@@ -27,6 +27,11 @@ def engine_for(tiny) -> AsyncEngine:
 SP = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
 
 
+def gen(engine, request_id: str, ids: list[int], params: SamplingParams):
+    """A request as a client runs it: resolved by the served model, then generated."""
+    return engine.generate(request_id, ids, engine.served().resolve([ids], params))
+
+
 async def wait_for(cond, timeout: float = 10.0) -> None:
     end = asyncio.get_running_loop().time() + timeout
     while not cond():
@@ -53,7 +58,7 @@ def test_a_dead_loop_ends_requests_in_flight_and_is_restarted(tiny, monkeypatch)
             first = engine.engine
             got = 0
             with pytest.raises(EngineDeadError):
-                async for _ in engine.generate("a", [1, 2, 3], SP):
+                async for _ in gen(engine, "a", [1, 2, 3], SP):
                     got += 1
                     if got == 3:
                         def boom():
@@ -63,7 +68,7 @@ def test_a_dead_loop_ends_requests_in_flight_and_is_restarted(tiny, monkeypatch)
             await wait_for(lambda: engine.running)
             assert engine.restarts == 1 and engine.stats().engine_restarts == 1
             assert engine.engine is not first and engine.error is None
-            outs = [o async for o in engine.generate("b", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))]
+            outs = [o async for o in gen(engine, "b", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))]
             assert outs[-1].finished and outs[-1].num_output_tokens == 4
         finally:
             await engine.stop()
@@ -89,12 +94,12 @@ def test_a_loop_that_keeps_dying_gives_up(tiny, monkeypatch):
                 if engine.gave_up:
                     break
                 with pytest.raises(EngineDeadError):
-                    async for _ in engine.generate(f"r{i}", [1, 2], SP):
+                    async for _ in gen(engine, f"r{i}", [1, 2], SP):
                         pass
             await asyncio.wait_for(gave_up.wait(), 10)
             assert engine.gave_up and engine.restarts == 2
             with pytest.raises(EngineDeadError):
-                engine.generate("late", [1, 2], SP)
+                gen(engine, "late", [1, 2], SP)
         finally:
             await engine.stop()
     asyncio.run(run())
@@ -106,16 +111,16 @@ def test_generate_checks_at_once_and_queues_only_when_consumed(tiny):
         await engine.start()
         try:
             with pytest.raises(InvalidParameter) as ei:
-                engine.generate("bad", [1, 2], SamplingParams(n=1000))
+                gen(engine, "bad", [1, 2], SamplingParams(n=1000))
             assert ei.value.param == "n"
             with pytest.raises(InvalidParameter):
-                engine.generate("bad2", [1, 10 ** 12], SP)
-            stream = engine.generate("never", [1, 2, 3], SP)  # never iterated
+                gen(engine, "bad2", [1, 10 ** 12], SP)
+            stream = gen(engine, "never", [1, 2, 3], SP)  # never iterated
             await asyncio.sleep(0.2)
             assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
             await stream.aclose()
             # one consumer that leaves early aborts its request and frees its blocks
-            async for out in engine.generate("early", [1, 2, 3], SP):
+            async for out in gen(engine, "early", [1, 2, 3], SP):
                 break
             await wait_for(lambda: engine.stats().num_running == 0 and engine.stats().kv_blocks_used == 0)
         finally:

@@ -1,4 +1,4 @@
-"""RequestLimits.check: every bound of a request, in one place, before any work."""
+"""RequestLimits.resolve: every bound of a request, in one place, before any work."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ LIMITS = RequestLimits(max_model_len=256, cache_tokens=1024, vocab_size=VOCAB)
 
 def refused(params: SamplingParams, prompts=((1, 2, 3),), limits: RequestLimits = LIMITS) -> str:
     with pytest.raises(InvalidParameter) as ei:
-        limits.check([list(p) for p in prompts], params)
+        limits.resolve([list(p) for p in prompts], params)
     return ei.value.param
 
 
@@ -52,27 +52,26 @@ def test_prompt_token_ids_must_be_in_the_vocabulary():
 
 def test_context_and_cache_bounds():
     with pytest.raises(AdmissionError, match="maximum context length is 256"):
-        LIMITS.check([[1] * 200], SamplingParams(max_tokens=100))
+        LIMITS.resolve([[1] * 200], SamplingParams(max_tokens=100))
     small_cache = RequestLimits(max_model_len=256, cache_tokens=64, vocab_size=VOCAB)
     with pytest.raises(AdmissionError, match="whole KV cache"):
-        small_cache.check([[1] * 60], SamplingParams(max_tokens=10))
+        small_cache.resolve([[1] * 60], SamplingParams(max_tokens=10))
     with pytest.raises(AdmissionError, match="prompt has 256 tokens"):
-        LIMITS.check([[1] * 256], SamplingParams(max_tokens=None))
+        LIMITS.resolve([[1] * 256], SamplingParams(max_tokens=None))
 
 
 def test_check_resolves_max_tokens_and_keeps_the_rest():
     p = SamplingParams(max_tokens=None, temperature=0.5, seed=7, logit_bias={3: -100.0})
-    out = LIMITS.check([[1] * 56, [2] * 6], p)
+    out = LIMITS.resolve([[1] * 56, [2] * 6], p)
     assert out.max_tokens == 200  # room left beside the longest prompt
     assert (out.temperature, out.seed, out.logit_bias) == (0.5, 7, {3: -100.0})
     assert p.max_tokens is None  # the caller's params are not changed
-    same = SamplingParams(max_tokens=5)
-    assert LIMITS.check([[1]], same) is same
+    assert LIMITS.resolve([[1]], SamplingParams(max_tokens=5)).max_tokens == 5
 
 
 def test_bounds_are_configurable():
     wide = RequestLimits(256, 1024, VOCAB, RequestBounds(max_n=64, max_stop=100))
-    assert wide.check([[1]], SamplingParams(n=64, stop=["a"] * 100)).n == 64
+    assert wide.resolve([[1]], SamplingParams(n=64, stop=["a"] * 100)).n == 64
     with pytest.raises(ValueError):
         RequestBounds(max_n=0)
 
@@ -87,8 +86,9 @@ def test_tiny_sampling_values_do_not_turn_into_nan():
     from tokenmill.engine.sampler import SamplingBatch, sample
 
     logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]] * 3)
-    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy
-    b = SamplingBatch(temperature=torch.tensor([1e-40, 1.0, 1.0]), all_greedy=False,
+    tiny = LIMITS.resolve([[1]], SamplingParams(temperature=1e-40))
+    assert tiny.greedy and not LIMITS.resolve([[1]], SamplingParams(temperature=GREEDY_BELOW)).greedy
+    b = SamplingBatch(temperature=torch.tensor([tiny.temperature, 1.0, 1.0]), all_greedy=False,
                       top_p=torch.tensor([1.0, 5e-324, 1.0]),
                       presence=torch.zeros(3), frequency=torch.zeros(3),
                       repetition=torch.tensor([1.0, 1.0, 1e-38]), output_ids=[[], [], []],

@@ -61,7 +61,7 @@ def test_process_engine_child_loads_while_the_front_reads_metadata():
             assert engine.pid == early
             ids = engine.tokenizer.encode("The capital of France is")
             text = ""
-            async for out in engine.generate("r", ids, SamplingParams(temperature=0.0, max_tokens=4)):
+            async for out in engine.generate("r", ids, engine.served().resolve([ids], SamplingParams(temperature=0.0, max_tokens=4))):
                 text += out.text
             return text
         finally:

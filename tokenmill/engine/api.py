@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
 from tokenmill.engine.types import (GREEDY_BELOW, AdmissionError, Choice, EngineDeadError, EngineStats,
-                                    InvalidParameter, Priority, RequestOutput, RequestTimes, SamplingParams,
-                                    StructuredOutput, TokenLogprob)
+                                    GenerationDefaults, InvalidParameter, Priority, RequestOutput, RequestTimes,
+                                    ResolvedParams, SamplingParams, StructuredOutput, TokenLogprob)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -32,14 +32,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdmissionError", "CacheConfig", "Choice", "EngineClient", "EngineConfig", "EngineDeadError",
-    "EngineStats", "GREEDY_BELOW", "InvalidParameter", "ModelOptions", "Priority", "RequestBounds",
-    "RequestLimits", "RequestOutput", "RequestTimes", "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
-    "StructuredOutput", "TokenLogprob", "TUNABLE", "check_knobs",
+    "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions", "Priority",
+    "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
+    "SchedulerConfig", "ServedModel", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
+    "UnknownModel", "check_knobs",
 ]
 
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what a torch generator accepts (negatives wrap)
 _INT64_MAX = 2 ** 63 - 1
+_NO_DEFAULTS = GenerationDefaults()
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,27 @@ class RequestLimits:
     vocab_size: int
     bounds: RequestBounds = field(default_factory=RequestBounds)
 
-    def check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SamplingParams:
+    def resolve(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                defaults: GenerationDefaults | None = None, cap: int | None = None) -> ResolvedParams:
         """Check a request (one or more token-id prompts sharing `params`) against every
-        bound. Returns params with max_tokens resolved (the room left in the context
-        when the client set none); raises InvalidParameter / AdmissionError."""
-        self.check_params(params)
+        bound and resolve it, once, into the parameters the engine runs: `defaults` where
+        the client said nothing (then the API's own: temperature 1, no truncation, no
+        penalties); max_tokens the client's, else the default for silent requests, else
+        the room left in the context; `cap` (a tenant's output cap) clamps it; greedy
+        decided, top_k normalized. Raises InvalidParameter / AdmissionError."""
+        d = defaults or _NO_DEFAULTS
+
+        def pick(name: str, api_default):
+            v = getattr(params, name)
+            if v is None:
+                v = getattr(d, name)
+            return api_default if v is None else v
+
+        filled = dataclasses.replace(
+            params, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0))
+        self.check_params(filled)
         b = self.bounds
         if not prompts:
             raise InvalidParameter("prompt", "the prompt is empty")
@@ -66,20 +84,34 @@ class RequestLimits:
         for ids in prompts:
             self.check_token_ids(ids)
             longest = max(longest, len(ids))
+        room = self.max_model_len - longest
         max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = self.max_model_len - longest
-            if max_tokens < 1:
+            if room < 1:
                 raise AdmissionError(
                     f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
                     f"has {longest} tokens", param="messages")
+            max_tokens = room if d.max_tokens is None else min(d.max_tokens, room)
         self.check_fits(longest, max_tokens)
-        if params.min_tokens > max_tokens:
-            raise InvalidParameter("min_tokens", f"min_tokens ({params.min_tokens}) must not exceed "
+        min_tokens = params.min_tokens
+        if min_tokens > max_tokens:
+            raise InvalidParameter("min_tokens", f"min_tokens ({min_tokens}) must not exceed "
                                                  f"max_tokens ({max_tokens})")
-        if max_tokens != params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
-        return params
+        if cap is not None and cap < max_tokens:
+            max_tokens, min_tokens = cap, min(min_tokens, cap)
+        greedy = filled.temperature < GREEDY_BELOW  # fp32 logits divided by less overflow
+        top_k = filled.top_k
+        return ResolvedParams(
+            n=params.n, greedy=greedy, temperature=0.0 if greedy else float(filled.temperature),
+            top_p=float(filled.top_p), top_k=0 if top_k < 0 else min(top_k, self.vocab_size),
+            min_p=float(filled.min_p), presence_penalty=float(filled.presence_penalty),
+            frequency_penalty=float(filled.frequency_penalty), repetition_penalty=float(filled.repetition_penalty),
+            seed=params.seed, stop=tuple(params.stop), stop_token_ids=tuple(params.stop_token_ids),
+            ignore_eos=params.ignore_eos, max_tokens=max_tokens, min_tokens=min_tokens, logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            logit_bias=dict(params.logit_bias) if params.logit_bias else None, structured=params.structured,
+            speculative=params.speculative)
 
     def check_token_ids(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -161,12 +193,41 @@ class RequestLimits:
 
 
 # -- the client seam --------------------------------------------------------------------
+class UnknownModel(LookupError):
+    """A request named a model (or adapter) this engine client does not serve."""
+
+    def __init__(self, name: str, known: Sequence[str]):
+        super().__init__(f"the model {name!r} does not exist; this server serves "
+                         f"{', '.join(repr(k) for k in known)}")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model an engine client serves, under the name requests give: what the server
+    needs to turn a request into token ids and `ResolvedParams` before the engine sees it."""
+    name: str
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    limits: RequestLimits  # known once the engine has started (its KV cache is sized)
+    defaults: GenerationDefaults  # the model's generation defaults, then the server's
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def resolve(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                cap: int | None = None) -> ResolvedParams:
+        return self.limits.resolve(prompts, params, defaults=self.defaults, cap=cap)
+
+
 @runtime_checkable
 class EngineClient(Protocol):
-    """What the server (and any other client) may ask of an engine."""
-    tokenizer: Tokenizer | None
-    model_config: ModelConfig
-    bounds: RequestBounds  # known before start
+    """Everything the server, the cluster, the Batch API and the CLI may ask of an engine.
+    Per-model facts (tokenizer, limits, generation defaults, context window) are keyed by
+    the model name a request gives (`served`), so that one client may serve several
+    models or adapters."""
+    bounds: RequestBounds  # known before start: the server sizes its body limit by it
     error: BaseException | None  # set while the engine is dead
     gave_up: bool  # it died too often to be restarted: the server should exit
     on_give_up: Callable[[], None] | None
@@ -174,25 +235,37 @@ class EngineClient(Protocol):
     @property
     def running(self) -> bool: ...
 
-    @property
-    def limits(self) -> RequestLimits: ...
+    def model_names(self) -> list[str]:
+        """The names requests may give, the default model first (known before start)."""
+        ...
+
+    def served(self, model: str | None = None) -> ServedModel:
+        """The model a request names (None: the default). Raises UnknownModel for a name
+        not served, EngineDeadError before the engine has started."""
+        ...
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
-    def check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SamplingParams: ...
-
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
-                 tenant: str | None = None, arrival_time: float | None = None,
-                 deadline: float | None = None) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: ResolvedParams, *,
+                 model: str | None = None, priority: int = Priority.INTERACTIVE,
+                 cache_salt: str | None = None, tenant: str | None = None,
+                 arrival_time: float | None = None, deadline: float | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        """Run a resolved request (`ServedModel.resolve`); its outputs as they come. Raises
+        EngineDeadError when the engine is not running."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 
     def abort_all(self) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def replica_stats(self) -> dict[str, dict] | None:
+        """Per-replica figures behind a cluster ingress; None for a single engine."""
+        ...
 
     def tune(self, **knobs: int) -> None:
         """Change scheduling knobs while serving (TUNABLE: max_num_seqs,

@@ -9,10 +9,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, run_commands
-from tokenmill.model.config import ModelConfig
-from tokenmill.model.metadata import load_metadata
-from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, generation_defaults, run_commands
+from tokenmill.model.metadata import ModelInfo, load_model_info
 
 if TYPE_CHECKING:
     from tokenmill.model.loader import LoadedModel
@@ -30,12 +28,15 @@ class AsyncEngine(EngineFront):
     """
 
     def __init__(self, loaded: LoadedModel | None, config: EngineConfig | None = None, *,
-                 model_config: ModelConfig | None = None, tokenizer: Tokenizer | None = None):
-        if loaded is not None:
-            model_config, tokenizer = loaded.config, loaded.tokenizer
-        assert model_config is not None
+                 info: ModelInfo | None = None):
+        """`loaded`: a model already in memory (its generation defaults: none), else `info`
+        (load_model_info) and the weights loaded at start()."""
         config = config or EngineConfig()
-        super().__init__(tokenizer, model_config, config.bounds)
+        if loaded is not None:
+            info = ModelInfo(loaded.config, loaded.tokenizer, {})
+        assert info is not None
+        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name,
+                         generation_defaults(info.generation, config.model))
         self.config = config
         self.engine = None  # the LLMEngine, built on the engine thread
         self._loaded = loaded
@@ -47,8 +48,7 @@ class AsyncEngine(EngineFront):
     @classmethod
     def load(cls, config: EngineConfig) -> "AsyncEngine":
         """Metadata now; weights, KV cache and step loop on the engine thread at start()."""
-        model_config, tokenizer = load_metadata(config.model.path)
-        return cls(None, config, model_config=model_config, tokenizer=tokenizer)
+        return cls(None, config, info=load_model_info(config.model.path))
 
     def _build(self) -> None:
         from tokenmill.engine.llm_engine import LLMEngine
@@ -58,7 +58,7 @@ class AsyncEngine(EngineFront):
             from tokenmill.model.loader import load_model  # (torch: in the engine's thread or process only)
 
             self._loaded = load_model(m.path, m.dtype, m.quantization)
-        self.engine = LLMEngine(self._loaded, self.config)
+        self.engine = LLMEngine(self._loaded, self.config, self.defaults)
         self._limits = self.engine.limits
         self._stats = self.engine.stats()
 

@@ -21,13 +21,14 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.config import RequestBounds
-from tokenmill.engine.api import RequestLimits, check_knobs
-from tokenmill.engine.types import EngineDeadError, EngineStats, Priority, RequestOutput, SamplingParams
+from tokenmill.config import ModelOptions, RequestBounds
+from tokenmill.engine.api import RequestLimits, ServedModel, UnknownModel, check_knobs
+from tokenmill.engine.types import (EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
+                                    RequestOutput, ResolvedParams, SamplingParams)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -40,11 +41,32 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 
 
+def generation_defaults(model_generation: dict[str, float | int], options: ModelOptions) -> GenerationDefaults:
+    """What a silent request gets: the model's generation defaults (or the operator's
+    file, or none), then the server's default output cap. Checked here, at start: a bad
+    default would otherwise fail every request that relies on it."""
+    if options.generation_config == "none":
+        model_generation = {}
+    elif options.generation_config != "auto":
+        from tokenmill.model.generation import read_file
+
+        model_generation = read_file(options.generation_config)
+    own = GenerationDefaults(**model_generation)
+    try:  # a silent request resolved under them
+        RequestLimits(max_model_len=2, cache_tokens=2, vocab_size=1).resolve([[0]], SamplingParams(max_tokens=1),
+                                                                             defaults=own)
+    except InvalidParameter as exc:
+        raise ValueError(f"the generation defaults are out of bounds: {exc}") from None
+    if own.max_tokens is not None and own.max_tokens < 1:
+        raise ValueError(f"the generation defaults' max_new_tokens must be positive, got {own.max_tokens}")
+    return own.over(GenerationDefaults(max_tokens=options.default_max_tokens))
+
+
 @dataclass
 class AddCommand:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams  # checked: max_tokens resolved
+    params: ResolvedParams
     kwargs: dict[str, Any]
 
 
@@ -62,9 +84,12 @@ class EngineFront:
     """The asyncio side: per-request queues, check/generate/abort, death and restart;
     subclasses run the loop."""
 
-    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, bounds: RequestBounds):
+    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, bounds: RequestBounds,
+                 name: str | None = None, defaults: GenerationDefaults | None = None):
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.name = name or model_config.name  # what requests call this model
+        self.defaults = defaults or GenerationDefaults()
         self.bounds = bounds  # known before start: the server sizes its body limit by it
         self.error: BaseException | None = None  # set while the loop is dead
         self.gave_up = False  # the loop kept dying: no more restarts
@@ -98,27 +123,34 @@ class EngineFront:
             raise EngineDeadError("the engine has not started")
         return self._limits
 
-    @property
-    def max_model_len(self) -> int:
-        return self.limits.max_model_len
+    def model_names(self) -> list[str]:
+        return [self.name]
+
+    def served(self, model: str | None = None) -> ServedModel:
+        if model is not None and model != self.name:
+            raise UnknownModel(model, self.model_names())
+        return ServedModel(self.name, self.tokenizer, self.model_config, self.limits, self.defaults)
 
     def stats(self) -> EngineStats:
         # a snapshot refreshed by the loop after each step
         return dataclasses.replace(self._stats, engine_restarts=self.restarts)
 
-    def check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SamplingParams:
-        return self.limits.check(prompts, params)
+    def replica_stats(self) -> dict[str, dict] | None:
+        return None
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
-                 tenant: str | None = None, arrival_time: float | None = None,
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: ResolvedParams,
+                 *, model: str | None = None, priority: int = Priority.INTERACTIVE,
+                 cache_salt: str | None = None, tenant: str | None = None, arrival_time: float | None = None,
                  deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Check the request now (raises InvalidParameter / AdmissionError / EngineDeadError);
-        it is queued when the returned stream is first awaited, so a stream never
-        consumed costs nothing."""
+        """Queue a resolved request (raises EngineDeadError, or UnknownModel for a model
+        not served); it is queued when the returned stream is first awaited, so a stream
+        never consumed costs nothing."""
         if not self.running:
             raise EngineDeadError("the engine is not running")
-        params = self.check([prompt_token_ids], params)
+        if not isinstance(params, ResolvedParams):
+            raise TypeError("generate takes ResolvedParams (ServedModel.resolve)")
+        if model is not None and model != self.name:
+            raise UnknownModel(model, self.model_names())
         cmd = AddCommand(request_id, list(prompt_token_ids), params,
                          dict(priority=priority, cache_salt=cache_salt, tenant=tenant,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
@@ -225,7 +257,7 @@ def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand | TuneCommand
             engine.tune(cmd.knobs)
             continue
         try:
-            engine.add_checked(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
+            engine.add_resolved(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
         except ValueError as exc:
             refused.append((cmd.request_id, exc))
     return outputs, refused

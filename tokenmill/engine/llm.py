@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.types import Choice, RequestOutput, SamplingParams, TokenLogprob
+from tokenmill.engine.front import generation_defaults
 from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.model.metadata import load_model_info
 
 
 @dataclass
@@ -23,8 +25,16 @@ class GenerationResult:
 class LLM:
     def __init__(self, model: str | LoadedModel | None = None, dtype: str = "float32",
                  config: EngineConfig | None = None, quantization: str = "none"):
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype, quantization)
-        self.engine = LLMEngine(loaded, config)
+        """A request's silent fields get the model's generation defaults, as the server's
+        do (a LoadedModel passed in has none)."""
+        config = config or EngineConfig()
+        defaults = None
+        if isinstance(model, LoadedModel):
+            loaded = model
+        else:
+            loaded = load_model(model, dtype, quantization)
+            defaults = generation_defaults(load_model_info(model).generation, config.model)
+        self.engine = LLMEngine(loaded, config, defaults)
         self.tokenizer = loaded.tokenizer
         self._ids = itertools.count()
 

@@ -18,8 +18,9 @@ import time
 import torch
 
 from tokenmill.config import EngineConfig, default_num_threads
-from tokenmill.engine.api import (EngineStats, InvalidParameter, Priority, RequestLimits, RequestOutput,
-                                  SamplingParams, check_knobs)
+from tokenmill.engine.api import RequestLimits, check_knobs
+from tokenmill.engine.types import (EngineStats, GenerationDefaults, InvalidParameter, Priority, RequestOutput,
+                                    ResolvedParams, SamplingParams)
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
@@ -33,8 +34,12 @@ log = logging.getLogger("tokenmill.engine")
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 defaults: GenerationDefaults | None = None):
+        """`defaults`: what `add_request` fills a silent SamplingParams with (the engine
+        fronts resolve requests themselves and pass ResolvedParams)."""
         config = config or EngineConfig()
+        self.defaults = defaults or GenerationDefaults(max_tokens=config.model.default_max_tokens)
         torch.set_num_threads(config.num_threads or default_num_threads())
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -62,8 +67,7 @@ class LLMEngine:
         self.grammar = GrammarMatchers(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.grammar)
         self.limits = RequestLimits(max_len, self.scheduler.cache_tokens, mcfg.vocab_size, config.bounds)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention,
-                                  self.grammar)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention)
         self.outputs = OutputProcessor(self.tokenizer)
         self._groups: dict[str, list[str]] = {}  # user request id -> its samples' ids
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, user request id)
@@ -78,28 +82,28 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | ResolvedParams,
                     **kwargs) -> None:
-        """Queue a request (n samples). Raises InvalidParameter / AdmissionError, having
-        scheduled nothing, when it can never be served. Past `deadline` (time.monotonic)
-        the request is aborted and its blocks freed: its answer can no longer be useful."""
-        self.add_checked(request_id, prompt_token_ids, self.limits.check([prompt_token_ids], params), **kwargs)
+        """Queue a request (n samples); SamplingParams are resolved first, as the server
+        resolves a request (RequestLimits.resolve under this engine's defaults). Raises
+        InvalidParameter / AdmissionError, having scheduled nothing, when it can never be
+        served. Past `deadline` (time.monotonic) the request is aborted and its blocks
+        freed: its answer can no longer be useful."""
+        if not isinstance(params, ResolvedParams):
+            params = self.limits.resolve([prompt_token_ids], params, defaults=self.defaults)
+        self.add_resolved(request_id, prompt_token_ids, params, **kwargs)
 
-    def add_checked(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
-                    tenant: str | None = None, arrival_time: float | None = None,
-                    deadline: float | None = None) -> None:
-        """add_request for params that RequestLimits.check returned (max_tokens resolved)."""
+    def add_resolved(self, request_id: str, prompt_token_ids: list[int], params: ResolvedParams,
+                     *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
+                     tenant: str | None = None, arrival_time: float | None = None,
+                     deadline: float | None = None) -> None:
         if request_id in self._groups:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
-        max_tokens = params.max_tokens
-        assert max_tokens is not None, "params must come from RequestLimits.check"
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         reqs = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids, params,
                     group_id=request_id, index=i, priority=priority, cache_salt=cache_salt,
-                    tenant=tenant, arrival_time=arrival, eos_token_ids=self.eos_token_ids,
-                    max_tokens=max_tokens)
+                    tenant=tenant, arrival_time=arrival, eos_token_ids=self.eos_token_ids)
             for i in range(params.n)
         ]
         if params.structured is not None:  # raises InvalidParameter before anything is queued
@@ -116,9 +120,8 @@ class LLMEngine:
         """Abort every sample of a user request now; its blocks are freed at once."""
         outs = []
         for rid in self._groups.pop(request_id, []):
-            req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED, reason)
             if req is not None:
-                req.stop_reason = reason
                 out = self.outputs.finished_output(req)
                 if out is not None:
                     outs.append(out)
@@ -151,9 +154,9 @@ class LLMEngine:
         self.steps += out.num_steps
         self.prompt_tokens_computed += sum(
             len(s.token_ids) for s in out.scheduled if s.start < len(s.prompt_token_ids))
-        outputs = self.outputs.process(
-            produced, result,
-            on_stop=lambda r: self.scheduler.finish(r.request_id, RequestStatus.FINISHED_STOPPED))
+        for stop in self.outputs.find_stops(produced):  # stop strings in the new text
+            self.scheduler.stop(stop.request, stop.num_output_tokens, stop.reason)
+        outputs = self.outputs.emit(produced, result)
         for o in outputs:
             self.generation_tokens += len(o.new_token_ids)
             if o.finished:

@@ -7,10 +7,10 @@ held back, so a stop string never leaks into a stream and is not in the output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
+from tokenmill.engine.request import Request
 from tokenmill.engine.types import RequestOutput, TokenLogprob
-from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import RunnerOutput
 from tokenmill.model.detokenizer import IncrementalDetokenizer
 from tokenmill.model.tokenizer import Tokenizer
@@ -28,10 +28,22 @@ class _TextState:
             [None] if sp.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False
         self.stopped = False  # a stop string ended the text: nothing after it is emitted
+        self.stop_reason: str | None = None  # the stop string found
         self.num_sent = 0  # output tokens already passed on (a step may add several)
 
 
+@dataclass(frozen=True)
+class StopEvent:
+    """A stop string ends `request`'s output after its first `num_output_tokens` tokens."""
+    request: Request
+    num_output_tokens: int
+    reason: str
+
+
 class OutputProcessor:
+    """Token ids -> text deltas and outputs. It reads request state and never writes it:
+    the stops it finds go to the scheduler as events."""
+
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self._states: dict[str, _TextState] = {}
@@ -39,10 +51,24 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         self._states[req.request_id] = _TextState(req, self.tokenizer)
 
-    def process(self, produced: list[Request], result: RunnerOutput,
-                on_stop: Callable[[Request], None]) -> list[RequestOutput]:
-        """Outputs for the requests that produced a token this step. A request whose text
-        now contains a stop string is ended through `on_stop` before its output is built."""
+    def find_stops(self, produced: list[Request]) -> list[StopEvent]:
+        """Detokenize the tokens each request made this step and find the stop strings in
+        its text. The events say where each request's output ends; the scheduler, which
+        owns request state, applies them (before `emit`)."""
+        events: list[StopEvent] = []
+        for req in produced:
+            st = self._states[req.request_id]
+            for j, tok in enumerate(req.output_token_ids[st.num_sent:]):
+                if st.detok is not None:
+                    st.pending += st.detok.add(tok)
+                if st.stops and self._stop_hit(req, st):
+                    events.append(StopEvent(req, st.num_sent + j + 1, st.stop_reason))
+                    break
+        return events
+
+    def emit(self, produced: list[Request], result: RunnerOutput) -> list[RequestOutput]:
+        """Outputs for the requests that produced tokens this step (after their stops were
+        applied): text released where it can no longer be part of a stop string."""
         outputs: list[RequestOutput] = []
         for rid, entries in result.prompt_logprobs.items():
             st = self._states.get(rid)
@@ -54,19 +80,6 @@ class OutputProcessor:
         for req in produced:
             st = self._states[req.request_id]
             toks = req.output_token_ids[st.num_sent:]
-            for j, tok in enumerate(toks):
-                if st.detok is not None:
-                    st.pending += st.detok.add(tok)
-                if st.stops and self._stop_hit(req, st):
-                    # tokens a burst of steps made after the stop string are not output
-                    del req.output_token_ids[st.num_sent + j + 1:]
-                    del req.times.tokens[st.num_sent + j + 1:]
-                    del toks[j + 1:]
-                    if req.finished:  # the scheduler ended it on a later token (length, EOS)
-                        req.status = RequestStatus.FINISHED_STOPPED
-                    else:
-                        on_stop(req)
-                    break
             st.num_sent += len(toks)
             text = self._flush(st) if req.finished else self._release(st)
             lp = result.logprobs.get(req.request_id)
@@ -99,7 +112,7 @@ class OutputProcessor:
         end = i + len(s) if req.params.include_stop_str_in_output else i
         st.pending = st.pending[:end]
         st.stopped = True
-        req.stop_reason = s
+        st.stop_reason = s
         return True
 
     @staticmethod

@@ -27,8 +27,8 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.types import EngineDeadError, InvalidParameter
-from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, run_commands
-from tokenmill.model.metadata import load_metadata
+from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, generation_defaults, run_commands
+from tokenmill.model.metadata import load_model_info
 
 log = logging.getLogger("tokenmill.engine")
 _STOP = "stop"
@@ -56,6 +56,7 @@ def _die_with_parent(parent_pid: int, lifeline: Any) -> None:
 
 
 def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, parent_pid: int) -> None:
+    # (the requests it gets are resolved by the front: the child needs no generation defaults)
     _die_with_parent(parent_pid, lifeline)
     # Ctrl-C, or a service manager's SIGTERM, goes to the whole process group: the
     # parent drains its requests and then stops this child itself. Dying on the signal
@@ -117,13 +118,14 @@ class ProcessEngine(EngineFront):
         # thread that forked); elsewhere the child starts in start().
         early = self._launch() if threading.current_thread() is threading.main_thread() else None
         try:
-            model_config, tokenizer = load_metadata(config.model.path)
+            info = load_model_info(config.model.path)
+            defaults = generation_defaults(info.generation, config.model)
         except BaseException:
             if early is not None:
                 self._close(early)
                 self._child = None
             raise
-        super().__init__(tokenizer, model_config, config.bounds)
+        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name, defaults)
 
     @property
     def running(self) -> bool:

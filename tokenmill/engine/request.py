@@ -12,7 +12,7 @@ import enum
 import secrets
 import time
 
-from tokenmill.engine.types import Priority, RequestTimes, SamplingParams
+from tokenmill.engine.types import Priority, RequestTimes, ResolvedParams
 
 
 class RequestStatus(enum.Enum):
@@ -30,10 +30,10 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: ResolvedParams,
                  *, group_id: str | None = None, index: int = 0, priority: int = Priority.INTERACTIVE,
                  cache_salt: str | None = None, arrival_time: float | None = None,
-                 eos_token_ids: tuple[int, ...] = (), max_tokens: int = 16, tenant: str | None = None):
+                 eos_token_ids: tuple[int, ...] = (), tenant: str | None = None):
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
@@ -47,7 +47,6 @@ class Request:
         # Isolation key of the prefix cache: tenant and the client's own salt.
         self.cache_salt = cache_salt
         self.eos_token_ids = eos_token_ids
-        self.max_tokens = max_tokens  # resolved: never None here
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

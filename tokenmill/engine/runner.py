@@ -27,7 +27,7 @@ import torch
 
 from tokenmill.engine.types import TokenLogprob
 from tokenmill.engine.sampler import LogitBias, SamplingBatch, TokenMask, as_int64, sample
-from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, PrefillSeq
 from tokenmill.model.fused import FusedDecoder
 from tokenmill.model.kernels import native_ops_for
@@ -48,9 +48,8 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, block_size: int, native_attention: bool = True, grammar=None):
+    def __init__(self, model, kv_cache, block_size: int, native_attention: bool = True):
         self.model = model
-        self.grammar = grammar  # structured.GrammarMatchers: masks of constrained rows
         self.kernel = native_ops_for(model.cfg.head_dim) if native_attention else None
         self.kv_cache = kv_cache
         # decode steps as one native call where the model allows (None: the model's forward)
@@ -63,14 +62,14 @@ class ModelRunner:
             return RunnerOutput()
         if out.num_steps > 1:
             return self._decode_steps(out.scheduled, out.num_steps)
-        return self._step(out.scheduled)
+        return self._step(out.scheduled, masks=out)
 
     def _decode_steps(self, sch: list[ScheduledRequest], steps: int) -> RunnerOutput:
         """`steps` decode steps (greedy or sampled), each step's token the next one's
         input: one native call where the model has it, else step by step (the same tokens
         either way)."""
         inputs = self._inputs(sch)
-        temps = torch.tensor([0.0 if s.params.greedy else s.params.temperature for s in sch], dtype=torch.float32)
+        temps = torch.tensor([s.params.temperature for s in sch], dtype=torch.float32)
         seeds = torch.tensor([as_int64(s.seed) for s in sch], dtype=torch.int64)
         indices = torch.tensor([len(s.output_token_ids) for s in sch], dtype=torch.int64)
         truncs = (torch.tensor([s.params.top_k for s in sch], dtype=torch.int64),
@@ -145,8 +144,9 @@ class ModelRunner:
                                     banned_token_ids=s.banned_token_ids if len(out) + j < s.params.min_tokens else []))
         return rows
 
-    def _step(self, sch: list[ScheduledRequest], inputs=None) -> RunnerOutput:
-        """One step; `inputs`: what _inputs(sch) gives, if the caller built it already."""
+    def _step(self, sch: list[ScheduledRequest], inputs=None, masks: SchedulerOutput | None = None) -> RunnerOutput:
+        """One step; `inputs`: what _inputs(sch) gives, if the caller built it already;
+        `masks`: the step's SchedulerOutput, whose grammar masks constrained rows."""
         result = RunnerOutput()
         if any(s.draft_token_ids for s in sch):
             sch = self._expand(sch)
@@ -170,7 +170,7 @@ class ModelRunner:
             elif sample_rows:
                 logits = self.model.logits(hidden.index_select(0, torch.from_numpy(cu[1:][sample_rows] - 1)))
         if sample_rows:
-            batch = self._sampling_batch([sch[i] for i in sample_rows])
+            batch = self._sampling_batch([sch[i] for i in sample_rows], masks)
             so = sample(logits, batch, greedy)
             verified: set[str] = set()  # requests whose run of drafts has ended
             for j, i in enumerate(sample_rows):
@@ -208,7 +208,7 @@ class ModelRunner:
             out.append((s.start + 1 + j, TokenLogprob(int(targets[j]), chosen[j], tops)))
         return out
 
-    def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:
+    def _sampling_batch(self, rows: list[ScheduledRequest], masks: SchedulerOutput | None = None) -> SamplingBatch:
         params = [s.params for s in rows]
         all_greedy = all(p.greedy for p in params)
         # (an all-greedy batch never reads the temperatures)
@@ -216,7 +216,7 @@ class ModelRunner:
         b = SamplingBatch(temperature=temps, all_greedy=all_greedy)
         if not b.all_greedy:
             if any(p.top_k > 0 for p in params):
-                b.top_k = torch.tensor([min(max(p.top_k, 0), self.vocab_size) for p in params], dtype=torch.int64)
+                b.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
             if any(p.top_p < 1.0 for p in params):
                 b.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
             if any(p.min_p > 0.0 for p in params):
@@ -235,12 +235,10 @@ class ModelRunner:
         if any(p.logit_bias for p in params):
             b.logit_bias = LogitBias.from_maps([p.logit_bias for p in params])
         constrained = [j for j, p in enumerate(params) if p.structured is not None]
-        if constrained and self.grammar is not None:
-            ahead = None
-            if any(rows[j].num_drafts_before for j in constrained):
-                ahead = [rows[j].draft_token_ids[:rows[j].num_drafts_before] for j in constrained]
-            bits = self.grammar.fill_bitmask([rows[j].request_id for j in constrained], ahead)
-            b.token_mask = TokenMask.from_bitmask(constrained, bits, self.vocab_size)
+        if constrained and masks is not None and masks.grammar_rows:
+            index = {key: i for i, key in enumerate(masks.grammar_rows)}
+            picked = [index[(rows[j].request_id, rows[j].num_drafts_before)] for j in constrained]
+            b.token_mask = TokenMask.from_bitmask(constrained, masks.grammar_bitmask[picked], self.vocab_size)
         want = [p.logprobs for p in params if p.logprobs is not None]
         if want:
             b.num_logprobs = max(want)

@@ -30,7 +30,6 @@ from itertools import chain
 import numpy as np
 import torch
 
-from tokenmill.engine.types import GREEDY_BELOW
 from tokenmill.model.kernels import native_ops
 
 _MASK64 = 2 ** 64 - 1
@@ -271,7 +270,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, argmax: torch.Tensor | None =
         tokens = greedy_tokens
     else:
         temp = b.temperature
-        is_greedy = temp < GREEDY_BELOW  # (fp32 logits / a tinier temperature overflow)
+        is_greedy = temp == 0.0  # (RequestLimits.resolve sets a greedy row's temperature to 0)
         safe_temp = torch.where(is_greedy, torch.ones_like(temp), temp)
         sampled_rows = (~is_greedy).nonzero().squeeze(1)
         tokens = greedy_tokens.clone()

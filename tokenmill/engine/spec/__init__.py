@@ -95,7 +95,7 @@ class Speculator:
         for req in decodes:
             if not self.eligible(req):
                 continue
-            k = min(cfg.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
+            k = min(cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens)
             if k <= 0:
                 continue
