@@ -33,6 +33,17 @@ serve: $(STAMP)
 model-qwen: $(STAMP)
 	$(BIN)/tokenmill models install qwen2.5-coder-0.5b
 
+# The engine and serving benchmarks' --quick runs, one after another (a few minutes on two
+# cores; each prints its tables): a smoke of the measurements, not figures to publish. The
+# race against llama.cpp is `benchmarks/compare` (~40 min); see benchmarks/README.md.
+BENCH_QUICK := engine.engine_speed engine.model_speed engine.offline_throughput engine.prefix_cache \
+	engine.quality engine.sampled_speed engine.structured serving.server_overhead serving.spec_decode \
+	serving.slo_autotune serving.batch_interference serving.cluster_routing serving.cluster_sim
+
+bench: $(STAMP)
+	@for m in $(BENCH_QUICK); do echo "== python -m benchmarks.$$m --quick"; \
+	  $(BIN)/python -m benchmarks.$$m --quick || exit 1; done
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

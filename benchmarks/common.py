@@ -1,4 +1,5 @@
-"""What the model benchmarks share: the evaluation text and the named configurations."""
+"""What the engine benchmarks share: the evaluation text, the named configurations and
+transformers' reference model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Start, wait for and stop the servers that `benchmarks/compare` measures.
+"""Start, wait for and stop the servers that the race (benchmarks/race) and the serving
+benchmarks (benchmarks/serving) measure.
 
 Each server is one process (group) that this script starts on its own loopback port,
 with its output in a log file; it is stopped by its own process-group id (SIGTERM, then
@@ -11,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +20,21 @@ from typing import Any, Optional
 
 import httpx
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: benchmarks run from here
 
-def _clk() -> int:
+
+def serve_cmd(*args: str, cluster: bool = False) -> list[str]:
+    """`tokenmill serve` (or `cluster serve`) on the `{port}` a RunningServer fills in, run
+    by this interpreter, so the checkout's tokenmill is what is measured."""
+    return [sys.executable, "-m", "tokenmill.cli", *(("cluster", "serve") if cluster else ("serve",)),
+            "--port", "{port}", *args]
+
+
+def clock_ticks() -> int:
     return int(os.sysconf("SC_CLK_TCK"))
 
 
-def _busy_jiffies() -> int:
+def busy_jiffies() -> int:
     """CPU time spent busy by the whole machine (all cores), from /proc/stat."""
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
@@ -57,7 +68,7 @@ class CpuWatch:
 
     def _sample(self) -> tuple[int, int, float]:
         me = os.times()
-        return _busy_jiffies(), _group_jiffies(self.pgid), (me.user + me.system) * _clk()
+        return busy_jiffies(), _group_jiffies(self.pgid), (me.user + me.system) * clock_ticks()
 
     def other_cores(self) -> Optional[float]:
         try:
@@ -66,7 +77,7 @@ class CpuWatch:
             return None
         elapsed = time.monotonic() - self.t0
         other = (end[0] - self.start[0]) - (end[1] - self.start[1]) - (end[2] - self.start[2])
-        return max(0.0, other / _clk() / elapsed) if elapsed > 0 else None
+        return max(0.0, other / clock_ticks() / elapsed) if elapsed > 0 else None
 
 
 def free_port() -> int:
@@ -110,7 +121,7 @@ class RunningServer:
         t0 = time.perf_counter()
         # Own session, so stopping it also stops any children (uvicorn workers, threads).
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=dict(os.environ, **self.spec.env))
+                                     env=dict(os.environ, **self.spec.env), cwd=ROOT)
         log.close()
         try:
             self._wait_ready()

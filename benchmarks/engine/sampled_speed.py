@@ -2,29 +2,25 @@
 code path), default configuration: temperature 1 (the API's default) vs temperature 0,
 256 tokens after a 128-token prompt, repeats interleaved, medians and their ratio.
 
-    python benchmarks/sampled_speed.py [--repeat 5] [--tokens 256] [--concurrency 1]
+    python -m benchmarks.engine.sampled_speed [--repeat 5] [--tokens 256] [--concurrency 1] [--quick]
 
 Greedy and sampled decodes, truncated ones (top-k, top-p, min-p) included, all run in
 native bursts (SchedulerConfig.decode_steps), truncating inside the native draw
-(csrc/sampling.h).
+(csrc/sampling.h). `--quick` (the tests' smoke run): 16 tokens, one round.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
-from tokenmill.engine.api import SamplingParams  # noqa: E402
-from tokenmill.engine.llm import LLM  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
+from tokenmill.config import CacheConfig, EngineConfig, default_num_threads
+from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.llm import LLM
+from tokenmill.model.loader import load_model
 
 MODES = {
     "greedy": dict(temperature=0.0),
@@ -40,7 +36,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 16 tokens, one round")
     args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.repeat = 16, 1
     torch.set_num_threads(default_num_threads())
     llm = LLM(load_model(None, "bfloat16", "int4"), config=EngineConfig(cache=CacheConfig(kv_cache_gb=0.5)))
     prompt = [1000 + (7 * i) % 20000 for i in range(128)]

@@ -29,8 +29,11 @@ how many cores processes other than the server and this script kept busy (a shar
 machine makes every figure here noisier; there, --server-args "--num-threads 1" keeps
 torch's thread pool from spin-waiting on a core it does not get).
 
-    .venv/bin/python benchmarks/batch_interference.py [--quick] [--rounds 2] [--json out.json]
+    .venv/bin/python -m benchmarks.serving.batch_interference [--quick] [--rounds 2] [--json out.json]
         [--server-args "--batch-share 0.2 --max-num-seqs 32"]
+
+`--quick` (the tests' smoke run): one round, 2 live requests of 8 tokens, batches of 4 and
+24 lines of 8-16 tokens.
 """
 
 from __future__ import annotations
@@ -52,12 +55,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from servers import CpuWatch, RunningServer, ServerSpec
-
+from benchmarks.servers import CpuWatch, RunningServer, ServerSpec, serve_cmd
 from tokenmill.bench.client import ClientConfig, RequestRecord
 from tokenmill.bench.harness import discover_model
 from tokenmill.bench.runner import RunSpec, run_once
@@ -97,9 +95,7 @@ def server_spec(extra: list[str], work: Path) -> ServerSpec:
     for flag, value in (("--data-dir", str(work / "data")), ("--kv-cache-gb", "0.5"), ("--shutdown-timeout", "5")):
         if flag not in args:
             args += [flag, value]
-    return ServerSpec(name="tokenmill", ready_path="/ready",
-                      cmd=[sys.executable, "-m", "tokenmill.cli", "serve", "--port", "{port}",
-                           "--log-level", "warning", *args])
+    return ServerSpec(name="tokenmill", ready_path="/ready", cmd=serve_cmd("--log-level", "warning", *args))
 
 
 def other_servers() -> list[str]:
@@ -515,17 +511,17 @@ async def _poll_forever(client, batch_id: str, poll_s: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few minutes")
+    ap.add_argument("--quick", action="store_true", help="smoke run: one round, tiny live load and batches")
     ap.add_argument("--rounds", type=int, default=2, help="alone/with-batch pairs, interleaved ABBA")
     ap.add_argument("--concurrency", type=int, default=2, help="live streaming clients (closed loop)")
-    ap.add_argument("--live-requests", type=int, default=None, help="live requests a phase (default 48; quick 6)")
+    ap.add_argument("--live-requests", type=int, default=None, help="live requests a phase (default 48; quick 2)")
     ap.add_argument("--live-tokens", type=int, default=64, help="output tokens of each live request")
     ap.add_argument("--live-input", type=int, default=64, help="prompt length of each live request (words ~ tokens)")
     ap.add_argument("--live-duration", type=float, default=None, help="also stop starting live requests after this")
     ap.add_argument("--idle-lines", type=int, default=None, help="lines of the idle-capacity batch (default 128; "
-                                                                 "quick 16)")
+                                                                 "quick 4)")
     ap.add_argument("--load-lines", type=int, default=None, help="lines of each batch run beside live traffic "
-                                                                 "(default 2048; quick 128); cancelled when the "
+                                                                 "(default 2048; quick 24); cancelled when the "
                                                                  "live load ends")
     ap.add_argument("--batch-min-tokens", type=int, default=64)
     ap.add_argument("--batch-max-tokens", type=int, default=128)
@@ -538,11 +534,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     if args.live_requests is None:
-        args.live_requests = 6 if args.quick else 48
+        args.live_requests = 2 if args.quick else 48
     if args.idle_lines is None:
-        args.idle_lines = 16 if args.quick else 128
+        args.idle_lines = 4 if args.quick else 128
     if args.load_lines is None:
-        args.load_lines = 128 if args.quick else 2048
+        args.load_lines = 24 if args.quick else 2048
+    if args.quick:
+        args.rounds, args.live_tokens, args.live_input = 1, 8, 16
+        args.batch_min_tokens, args.batch_max_tokens, args.batch_lead_s, args.poll_s = 8, 16, 0.2, 0.1
 
     others = other_servers()
     if others:

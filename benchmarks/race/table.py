@@ -43,7 +43,7 @@ def metrics_of(results: dict[str, Any]) -> dict[str, Optional[float]]:
 
 
 def ttft_p50(results: dict[str, Any]) -> Optional[float]:
-    """The long-prompt TTFT runs' median (benchmarks/compare.py puts them under "ttft")."""
+    """The long-prompt TTFT runs' median (benchmarks/race/compare.py puts them under "ttft")."""
     runs = results.get("ttft") or []
     return _dig(runs[0], ("ttft_ms", "p50")) if runs else None
 

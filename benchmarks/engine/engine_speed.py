@@ -3,41 +3,41 @@
 tok/s), on one GGUF file in the default configuration (`--quantization auto`), with no
 server in between. `benchmarks/compare` runs it beside `llama-bench -p 512 -n 128`.
 
-    .venv/bin/python benchmarks/engine_speed.py --model FILE [--threads 2] [--repeat 5]
+    .venv/bin/python -m benchmarks.engine.engine_speed [--model FILE] [--threads 2] [--repeat 5] [--quick]
 
 Prints one JSON line: {"pp512": ..., "tg128": ..., "quantization": ..., "load_s": ...}; each
 figure is the median of --repeat runs after a warm-up. The prompt is distinct each run and
 prefix caching is off, so every run prefills all of it. tg128 starts from a one-token
-prompt, as llama-bench's does.
+prompt, as llama-bench's does. The default model is the embedded one. `--quick` (the
+tests' smoke run): a 64-token prompt, 16 tokens, one run after the warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from tokenmill.engine.api import SamplingParams  # noqa: E402
-from tokenmill.engine.llm import LLM  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.llm import LLM
+from tokenmill.model.loader import load_model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 64 + 16 tokens, one run")
     args = ap.parse_args()
+    if args.quick:
+        args.prompt_tokens, args.decode_tokens, args.repeat = 64, 16, 1
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     loaded = load_model(args.model, "bfloat16", "auto")

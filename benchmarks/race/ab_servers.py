@@ -7,7 +7,10 @@ checkout. Rounds alternate A and B, each server started fresh; medians and B/A r
 - single-stream decode tokens/s, greedy and sampled (temperature 1, seeded), 256 tokens
 - output tokens/s at 16 concurrent streams (64 requests, 128 tokens each)
 
-    .venv/bin/python benchmarks/ab_servers.py --baseline ed0775a --rounds 3 [-- serve flags]
+    .venv/bin/python -m benchmarks.race.ab_servers --baseline ed0775a --rounds 3 [-- serve flags]
+
+`--quick` (the tests' smoke run) measures this checkout alone (B; no baseline, no
+worktree), one round, 32-token answers, 4 concurrent streams.
 """
 
 from __future__ import annotations
@@ -24,10 +27,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from servers import free_port  # noqa: E402
+from benchmarks.servers import ROOT, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -45,6 +46,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(src)}
+        (ROOT / ".bench-worktrees").mkdir(exist_ok=True)
         self.log = open(ROOT / ".bench-worktrees" / f"server-{self.port}.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port), "--log-level", "warning",
@@ -113,33 +115,46 @@ async def concurrent_rate(client: httpx.AsyncClient, url: str, concurrency: int,
     return total / (time.perf_counter() - t0)
 
 
-async def measure(url: str) -> dict[str, float]:
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+async def measure(url: str, quick: bool) -> dict[str, float]:
+    tokens, streams, concurrency, requests, tokens16 = (32, 1, 4, 8, 16) if quick else (256, 3, 16, 64, 128)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64), trust_env=False) as client:
         await stream_rate(client, url, 16, 0.0, None)  # warm-up
-        greedy = statistics.median([await stream_rate(client, url, 256, 0.0, None) for _ in range(3)])
-        sampled = statistics.median([await stream_rate(client, url, 256, 1.0, s) for s in range(3)])
-        c16 = await concurrent_rate(client, url, 16, 64, 128)
+        greedy = statistics.median([await stream_rate(client, url, tokens, 0.0, None) for _ in range(streams)])
+        sampled = statistics.median([await stream_rate(client, url, tokens, 1.0, s) for s in range(streams)])
+        many = await concurrent_rate(client, url, concurrency, requests, tokens16)
     return {"greedy decode tok/s (c=1)": greedy, "sampled decode tok/s (c=1)": sampled,
-            "output tok/s (c=16)": c16}
+            f"output tok/s (c={concurrency})": many}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", required=True, help="git ref of version A")
+    ap.add_argument("--baseline", help="git ref of version A (required unless --quick)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke run: this checkout alone, one round, "
+                                                         "short answers")
     ap.add_argument("flags", nargs="*", help="tokenmill serve flags for both")
     args = ap.parse_args()
-    srcs = {"A": worktree(args.baseline), "B": ROOT}
-    results: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+    if args.quick:
+        args.rounds = 1
+    elif not args.baseline:
+        ap.error("--baseline is required (or --quick)")
+    # --quick: this checkout alone (B), no baseline worktree
+    srcs = {"B": ROOT} if args.quick else {"A": worktree(args.baseline), "B": ROOT}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in srcs}
     for rnd in range(args.rounds):
-        for name in (("A", "B") if rnd % 2 == 0 else ("B", "A")):
+        for name in (sorted(srcs) if rnd % 2 == 0 else sorted(srcs, reverse=True)):
             srv = Server(srcs[name], args.flags)
             try:
-                results[name].append(asyncio.run(measure(srv.url)))
+                results[name].append(asyncio.run(measure(srv.url, args.quick)))
             finally:
                 srv.stop()
             print(f"round {rnd + 1} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in results[name][-1].items()),
                   flush=True)
+    if "A" not in results:
+        print(f"\nB = this checkout (--quick: no baseline); medians of {args.rounds} rounds")
+        for key in results["B"][0]:
+            print(f"{key:30s} B {statistics.median(r[key] for r in results['B']):8.1f}")
+        return
     print(f"\nA = {args.baseline}, B = this checkout; medians of {args.rounds} interleaved rounds")
     for key in results["A"][0]:
         a = statistics.median(r[key] for r in results["A"])

@@ -1,15 +1,18 @@
 """Fidelity: greedy chat answers of every precision mode, and of llama-server on the same
 GGUF, against the exact mode (float32, no quantization: logits equal transformers').
 
-    python benchmarks/fidelity.py [--modes exact,default,int8,bfloat16] [--max-tokens 32]
-                                  [--llama-server PATH | --no-llama-server] [--gguf FILE]
+    python -m benchmarks.race.fidelity [--modes exact,default,int8,bfloat16] [--max-tokens 32]
+                                       [--llama-server PATH | --no-llama-server] [--gguf FILE]
+                                       [--prompts N] [--quick]
 
 The prompts are benchmarks/data/fidelity_prompts.jsonl (64 chat prompts written for this),
 rendered with the model's chat template into token ids once, so every engine reads the
 same ids. For each mode it prints the exact-match rate (answers whose text equals the
 exact mode's) and the mean agreed prefix (the share of the exact answer's characters
 before the first difference). llama-server gets the ids through /completion with
-temperature 0 (its greedy path); it is built by benchmarks/peers.py (--server-only).
+temperature 0 (its greedy path); it is built by `python -m benchmarks.race.peers
+--server-only`. `--quick` (the tests' smoke run): exact and default on 4 prompts, 8
+tokens, no llama-server.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,13 +27,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tokenmill.config import CacheConfig, EngineConfig  # noqa: E402
-from tokenmill.engine.api import SamplingParams  # noqa: E402
-from tokenmill.engine.llm import LLM  # noqa: E402
-from tokenmill.model.loader import default_model_path, load_metadata, load_model  # noqa: E402
+from benchmarks.servers import ROOT, free_port
+from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.llm import LLM
+from tokenmill.model.loader import default_model_path, load_metadata, load_model
 
 PROMPTS = ROOT / "benchmarks" / "data" / "fidelity_prompts.jsonl"
 LLAMA_SERVER = ROOT / ".peers" / "llama-server" / "bin" / "llama-server"
@@ -83,12 +83,6 @@ def run_mode(name: str, gguf: str, ids: list[list[int]], max_tokens: int) -> Ans
     return Answers(name, texts, time.perf_counter() - t0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -96,7 +90,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 def run_llama_server(binary: Path, gguf: str, ids: list[list[int]], max_tokens: int, threads: int) -> Answers:
-    port = _free_port()
+    port = free_port()
     cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
            "--threads-batch", str(threads), "--ctx-size", "4096", "--parallel", "1"]
     t0 = time.perf_counter()
@@ -134,7 +128,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--show", type=int, default=0, help="print the first N answers of every run")
     ap.add_argument("--json", default=None, help="write the answers and scores here")
+    ap.add_argument("--prompts", type=int, default=None, help="only the first N prompts")
+    ap.add_argument("--quick", action="store_true", help="smoke run: exact and default, 4 prompts, 8 tokens, "
+                                                         "no llama-server")
     args = ap.parse_args()
+    if args.quick:
+        args.modes, args.max_tokens, args.no_llama_server = "exact,default", 8, True
+        args.prompts = args.prompts or 4
     gguf = args.gguf or default_model_path()
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
@@ -144,7 +144,7 @@ def main() -> None:
         modes.insert(0, "exact")
     modes.remove("exact")
     modes.insert(0, "exact")
-    ids = prompt_ids(gguf)
+    ids = prompt_ids(gguf)[:args.prompts]
     print(f"{len(ids)} prompts, greedy, {args.max_tokens} tokens, model {Path(gguf).name}", flush=True)
     runs = []
     for m in modes:
@@ -155,7 +155,7 @@ def main() -> None:
         if binary.exists():
             runs.append(run_llama_server(binary, gguf, ids, args.max_tokens, args.threads))
         else:
-            print(f"  (no llama-server at {binary}: build it with benchmarks/peers.py --server-only)",
+            print(f"  (no llama-server at {binary}: build it with python -m benchmarks.race.peers --server-only)",
                   file=sys.stderr)
     ref = runs[0]
     print("\n| Run | exact matches | mean agreed prefix |\n|---|---|---|")

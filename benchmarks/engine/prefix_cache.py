@@ -5,27 +5,24 @@
 2. Total throughput of a workload where 90% of every prompt is one shared system prompt,
    prefix caching on vs off, in the same run.
 
-    python benchmarks/prefix_cache.py [--config int4] [--repeat 3]
+    python -m benchmarks.engine.prefix_cache [--config int4] [--repeat 3] [--quick]
+
+`--quick` (the tests' smoke run): a 128-token prompt, one round, 4 requests of 128 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from common import CONFIGS, eval_ids  # noqa: E402
-from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
-from tokenmill.engine.llm import LLM  # noqa: E402
-from tokenmill.engine.api import SamplingParams  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
-
+from benchmarks.common import CONFIGS, eval_ids
+from tokenmill.config import CacheConfig, EngineConfig, default_num_threads
+from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.llm import LLM
+from tokenmill.model.loader import load_model
 
 
 def corpus(tokenizer) -> list[int]:
@@ -78,7 +75,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--workload-prompt-tokens", type=int, default=1000)
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 128-token prompts, one round, 4 requests")
     args = ap.parse_args()
+    if args.quick:
+        args.prompt_tokens, args.repeat, args.requests = 128, 1, 4
+        args.workload_prompt_tokens, args.output_tokens = 128, 4
     torch.set_num_threads(default_num_threads())
     loaded = load_model(None, *CONFIGS[args.config])
     ids = corpus(loaded.tokenizer)

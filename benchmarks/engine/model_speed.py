@@ -3,34 +3,30 @@ decode tokens/s (256 tokens), for tokenmill and for transformers' generate() on 
 dequantized weights, in the same run, as ratios; and batch-1 decode against the
 memory-bandwidth bound (bytes of weights one decode step reads / measured copy bandwidth).
 
-    python benchmarks/model_speed.py [--dtypes float32,bfloat16] [--repeat 3]
+    python -m benchmarks.engine.model_speed [--dtypes float32,bfloat16,int4] [--repeat 3] [--quick]
 
 Each figure is the median of --repeat runs after one warm-up. tokenmill runs through its
 offline engine (paged KV, the same code path the server uses) in its default configuration,
 where greedy decode steps run in native bursts (SchedulerConfig.decode_steps); the int4 bound
 row is repeated one step at a time to show what that buys, and on an int8 KV cache. transformers runs eager
-attention with its own dynamic KV cache.
+attention with its own dynamic KV cache. `--quick` (the tests' smoke run): int4 only (not
+its one-step and int8-KV variants), a 32-token prompt, 8 tokens, one run, no transformers
+runs (loading its GGUF takes ~25 s).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from common import CONFIGS, eval_ids, load_reference  # noqa: E402
-from tokenmill.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
-from tokenmill.engine.llm import LLM  # noqa: E402
-from tokenmill.config import SchedulerConfig  # noqa: E402
-from tokenmill.engine.api import SamplingParams  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
-
+from benchmarks.common import CONFIGS, eval_ids, load_reference
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, default_num_threads
+from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.llm import LLM
+from tokenmill.model.loader import load_model
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -41,7 +37,8 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def ours(name: str, prompt: list[int], decode_tokens: int, repeat: int,
-         decode_steps: int = SchedulerConfig.decode_steps, kv_cache_dtype: str = "auto") -> dict[str, float]:
+         decode_steps: int = SchedulerConfig.decode_steps, kv_cache_dtype: str = "auto",
+         copy_mb: int = 1024) -> dict[str, float]:
     dtype, quant = CONFIGS[name]
     t0 = time.perf_counter()
     loaded = load_model(None, dtype, quant)
@@ -59,9 +56,9 @@ def ours(name: str, prompt: list[int], decode_tokens: int, repeat: int,
         # The machine's speed drifts by tens of percent over minutes (shared hosts): the
         # bound is measured on both sides of each decode run (their mean: one sample alone
         # drifts away from the second the run lasts) and the ratio taken run by run.
-        before = copy_bandwidth()
+        before = copy_bandwidth(copy_mb)
         res = llm.generate(prompt, SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True))
-        bw = (before + copy_bandwidth()) / 2
+        bw = (before + copy_bandwidth(copy_mb)) / 2
         times = res[0].outputs[0].times
         d = (decode_tokens - 1) / (times.finished - times.first_token)
         if i:  # the first run is a warm-up
@@ -120,17 +117,23 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bound-only", action="store_true",
                     help="only the bandwidth-bound table (no transformers reference runs)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: int4, 32 + 8 tokens, one run, no "
+                                                         "transformers")
     args = ap.parse_args()
+    copy_mb = 1024
+    if args.quick:
+        args.dtypes, args.prompt_tokens, args.decode_tokens, args.repeat = "int4", 32, 8, 1
+        args.bound_only, copy_mb = True, 64
     torch.set_num_threads(default_num_threads())
     tok = load_model(None, "float32").tokenizer
     prompt = prompt_ids(tok, args.prompt_tokens)
     print(f"threads {torch.get_num_threads()}, prompt {len(prompt)} tokens, decode {args.decode_tokens} tokens, "
           f"median of {args.repeat}")
-    header = (f"| config | load s (tm / hf) | prefill tok/s (tm / hf) | ratio | decode tok/s (tm / hf) | ratio |\n"
-              f"|---|---|---|---|---|---|")
+    header = ("| config | load s (tm / hf) | prefill tok/s (tm / hf) | ratio | decode tok/s (tm / hf) | ratio |\n"
+              "|---|---|---|---|---|---|")
     rows, bound_rows = [], []
     for name in args.dtypes.split(","):
-        a = ours(name, prompt, args.decode_tokens, args.repeat)
+        a = ours(name, prompt, args.decode_tokens, args.repeat, copy_mb=copy_mb)
         # transformers has no counterpart of our int4 kernels: that row compares with its bf16
         b = None if args.bound_only else reference(CONFIGS[name][0], prompt, args.decode_tokens, args.repeat)
         if b:
@@ -139,12 +142,13 @@ def main() -> None:
                         f"{a['decode'] / b['decode']:.2f}x |")
             print(rows[-1], flush=True)
         runs = [(name, a)]  # the default: greedy decode steps in bursts (SchedulerConfig.decode_steps)
-        if SchedulerConfig.decode_steps > 1 and name == "int4":
+        if SchedulerConfig.decode_steps > 1 and name == "int4" and not args.quick:
             # what the native multi-step loop buys: the same engine, one step at a time
-            runs.append((f"{name}, one step at a time (decode_steps=1)", ours(name, prompt, args.decode_tokens, args.repeat, 1)))
+            runs.append((f"{name}, one step at a time (decode_steps=1)",
+                         ours(name, prompt, args.decode_tokens, args.repeat, 1, copy_mb=copy_mb)))
             # half the K/V bytes for decode attention to read (the bound counts weights only)
             runs.append((f"{name}, int8 KV cache", ours(name, prompt, args.decode_tokens, args.repeat,
-                                                       kv_cache_dtype="int8")))
+                                                       kv_cache_dtype="int8", copy_mb=copy_mb)))
         for label, r in runs:
             bound = r["bandwidth"] / r["step_bytes"]
             bound_rows.append(f"| {label} | {r['step_bytes'] / 1e6:.0f} | {r['bandwidth'] / 1e9:.1f} | {bound:.0f} | "

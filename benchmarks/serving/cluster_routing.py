@@ -13,15 +13,19 @@
    (1 replica, 2 threads) against `tokenmill serve` (2 threads), both up at once,
    requests alternated between them.
 
-    .venv/bin/python benchmarks/cluster_routing.py [--quick] [--only policies|overhead] [--json out.json]
+    .venv/bin/python -m benchmarks.serving.cluster_routing [--quick] [--only policies|overhead] [--json out.json]
 
 Check that nothing else runs first: on two cores one stray process skews every figure.
+`--quick` (the tests' smoke run) starts no Ray cluster: the same tenants, keys and
+metrics against one `tokenmill serve` ("routing" none), and the overhead part's serve
+side alone, with a handful of short requests.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -33,12 +37,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from servers import RunningServer, ServerSpec
-
+from benchmarks.servers import RunningServer, ServerSpec, serve_cmd
 from tokenmill.bench.client import ClientConfig, RequestRecord, send_request
 from tokenmill.bench.runner import make_client
 from tokenmill.bench.workload import RequestSpec
@@ -54,9 +53,8 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def spec(name: str, args: list[str], cluster: bool) -> ServerSpec:
-    cmd = [sys.executable, "-m", "tokenmill.cli", *(("cluster", "serve") if cluster else ("serve",)),
-           "--port", "{port}", "--log-level", "warning", "--no-batch-api", *args]
-    return ServerSpec(name=name, cmd=cmd, ready_path="/ready")
+    return ServerSpec(name=name, cmd=serve_cmd("--log-level", "warning", "--no-batch-api", *args, cluster=cluster),
+                      ready_path="/ready")
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -112,9 +110,10 @@ def run_policies(args, log_dir: Path) -> list[dict]:
                                                 messages=messages)))
     rows = []
     for policy in args.policies:
-        flags = ["--replicas", "2", "--num-threads", "1", "--routing", policy, "--keys-db", str(db),
-                 "--kv-cache-gb", str(args.kv_cache_gb)]
-        with RunningServer(spec(f"cluster-{policy}", flags, True), log_dir) as srv:
+        flags = ["--num-threads", "1", "--keys-db", str(db), "--kv-cache-gb", str(args.kv_cache_gb)]
+        if policy != "none":  # "none": one `tokenmill serve`, no Ray (--quick)
+            flags += ["--replicas", "2", "--routing", policy]
+        with RunningServer(spec(f"cluster-{policy}", flags, policy != "none"), log_dir) as srv:
             before = metrics(srv.base_url)
             recs = asyncio.run(play(srv.base_url, keys, schedule))
             time.sleep(1.5)  # the replicas' last reports
@@ -135,15 +134,18 @@ def run_policies(args, log_dir: Path) -> list[dict]:
 
 def run_overhead(args, log_dir: Path) -> dict:
     rng = random.Random(args.seed + 1)
-    single = spec("serve", ["--num-threads", "2"], False)
-    cluster = spec("cluster-1x2", ["--replicas", "1", "--num-threads", "2"], True)
-    out: dict[str, dict[str, list[float]]] = {"serve": {"ttft": [], "tps": []}, "cluster": {"ttft": [], "tps": []}}
-    with RunningServer(single, log_dir) as a, RunningServer(cluster, log_dir) as b:
-        asyncio.run(_alternate(args, rng, {"serve": a.base_url, "cluster": b.base_url}, out))
+    targets = {"serve": spec("serve", ["--num-threads", "2"], False)}
+    if not args.quick:  # --quick starts no Ray cluster
+        targets["cluster"] = spec("cluster-1x2", ["--replicas", "1", "--num-threads", "2"], True)
+    out: dict[str, dict[str, list[float]]] = {name: {"ttft": [], "tps": []} for name in targets}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(RunningServer(s, log_dir)).base_url for name, s in targets.items()}
+        asyncio.run(_alternate(args, rng, urls, out))
     res = {k: {"ttft_p50_ms": statistics.median(v["ttft"]), "decode_tok_s": statistics.median(v["tps"]),
                "n": len(v["ttft"])} for k, v in out.items()}
-    res["ratio"] = {"ttft": res["cluster"]["ttft_p50_ms"] / res["serve"]["ttft_p50_ms"],
-                    "decode": res["cluster"]["decode_tok_s"] / res["serve"]["decode_tok_s"]}
+    if "cluster" in res:
+        res["ratio"] = {"ttft": res["cluster"]["ttft_p50_ms"] / res["serve"]["ttft_p50_ms"],
+                        "decode": res["cluster"]["decode_tok_s"] / res["serve"]["decode_tok_s"]}
     return res
 
 
@@ -153,10 +155,10 @@ async def _alternate(args, rng: random.Random, urls: dict[str, str], out: dict) 
     clients = {name: make_client(cfg, 1) for name, cfg in cfgs.items()}
     try:
         for round_ in range(args.rounds + 1):  # the first round warms both up
-            order = ("serve", "cluster") if round_ % 2 == 0 else ("cluster", "serve")
+            order = list(urls) if round_ % 2 == 0 else list(urls)[::-1]
             for name in order:
                 for i in range(args.stream_requests):
-                    s = RequestSpec(index=i, prompt=words(rng, 110), max_tokens=128)
+                    s = RequestSpec(index=i, prompt=words(rng, 110), max_tokens=args.stream_tokens)
                     rec = await send_request(clients[name], cfgs[name], s, time.perf_counter())
                     if round_ and rec.ok:
                         out[name]["ttft"].append(rec.ttft_ms)
@@ -180,16 +182,19 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=0.05, help="per replica")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--stream-requests", type=int, default=4)
+    ap.add_argument("--stream-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.rounds, args.stream_requests = 40, 2, 2
+        args.policies, args.tenants, args.system_words, args.requests, args.rate = ["none"], 2, 60, 6, 4.0
+        args.output_tokens, args.rounds, args.stream_requests, args.stream_tokens = 8, 1, 1, 16
     log_dir = Path(tempfile.mkdtemp(prefix="cluster-routing-"))
     result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     if args.only in (None, "policies"):
         print(f"policies: {args.tenants} tenants, ~{args.system_words}-word system prompts, {args.requests} "
-              f"requests at {args.rate}/s, {args.output_tokens}-token answers; 2 replicas x 1 thread, "
+              f"requests at {args.rate}/s, {args.output_tokens}-token answers; "
+              f"{'one tokenmill serve (--quick: no Ray)' if args.quick else '2 replicas'} x 1 thread, "
               f"--kv-cache-gb {args.kv_cache_gb} each", flush=True)
         rows = result["policies"] = run_policies(args, log_dir)
         print("\n| routing | prefix hit rate | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | requests per replica |")
@@ -203,8 +208,11 @@ def main() -> None:
         print("|---|---|---|---|")
         for name, label in (("serve", "`tokenmill serve` (2 threads)"),
                             ("cluster", "`tokenmill cluster serve` (1 replica x 2 threads)")):
+            if name not in o:
+                continue
             print(f"| {label} | {o[name]['ttft_p50_ms']:.0f} | {o[name]['decode_tok_s']:.1f} | {o[name]['n']} |")
-        print(f"\ncluster / serve: TTFT {o['ratio']['ttft']:.2f}x, decode {o['ratio']['decode']:.2f}x")
+        if "ratio" in o:
+            print(f"\ncluster / serve: TTFT {o['ratio']['ttft']:.2f}x, decode {o['ratio']['decode']:.2f}x")
     print(f"\nserver logs: {log_dir}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -14,9 +14,11 @@
    `--otlp-traces-endpoint` (spans exported to a collector in this script), servers
    alternated ABAB over --rounds.
 
-    .venv/bin/python benchmarks/slo_autotune.py [--quick] [--only goodput|tracing] [--json out.json]
+    .venv/bin/python -m benchmarks.serving.slo_autotune [--quick] [--only goodput|tracing] [--json out.json]
 
 Check that nothing else runs first: on two cores one stray process skews every figure.
+`--quick` (the tests' smoke run): phases of 1-2 s, 32 + 8 tokens, one static setting
+beside the default and the autotuner, one tracing round of 2 requests.
 """
 
 from __future__ import annotations
@@ -37,12 +39,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from servers import RunningServer, ServerSpec
-
+from benchmarks.servers import RunningServer, ServerSpec, serve_cmd
 from tokenmill.bench.client import ClientConfig, RequestRecord, send_request
 from tokenmill.bench.runner import make_client, preconnect
 from tokenmill.bench.workload import LengthDist, WorkloadConfig, synthetic_requests
@@ -59,8 +56,7 @@ class Phase:
 
 def server_spec(name: str, args: list[str]) -> ServerSpec:
     return ServerSpec(name=name, ready_path="/ready",
-                      cmd=[sys.executable, "-m", "tokenmill.cli", "serve", "--port", "{port}", "--log-level", "info",
-                           "--shutdown-timeout", "5", *args])
+                      cmd=serve_cmd("--log-level", "info", "--shutdown-timeout", "5", *args))
 
 
 def schedule(phases: list[Phase], seed: int) -> list[tuple[float, int]]:
@@ -206,7 +202,8 @@ def tracing(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 spec = server_spec(f"tracing-{arm}", ["--num-threads", str(args.threads), *arms[arm]])
                 with RunningServer(spec, work / f"tracing-{arm}-{rnd}") as server:
                     asyncio.run(single_stream(server.base_url, 2, 16, 1000 + rnd))  # warm-up, not counted
-                    rate, ttft = asyncio.run(single_stream(server.base_url, args.stream_requests, 128, rnd))
+                    rate, ttft = asyncio.run(single_stream(server.base_url, args.stream_requests,
+                                                           args.stream_tokens, rnd))
                 got[arm].append((rate, ttft))
                 print(f"  round {rnd} tracing {arm:3s}: decode {rate:.1f} tok/s, TTFT p50 {ttft:.1f} ms", flush=True)
     finally:
@@ -249,7 +246,7 @@ def report(res: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=("goodput", "tracing"))
-    ap.add_argument("--quick", action="store_true", help="short phases, a small sweep, 2 tracing rounds")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1-2 s phases, one static setting, one tracing round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ttft-ms", type=float, default=1000.0)
     ap.add_argument("--itl-ms", type=float, default=40.0, help="the TPOT objective")
@@ -264,13 +261,15 @@ def main() -> None:
     ap.add_argument("--autotune-interval", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=4, help="tracing: servers alternated this many times each")
     ap.add_argument("--stream-requests", type=int, default=8)
+    ap.add_argument("--stream-tokens", type=int, default=128, help="tracing: output tokens a request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.quick:
-        args.light_s, args.heavy_s = 15.0, 30.0
-        args.sweep_seqs, args.sweep_waiting = [8, 64], [8, 256]
-        args.rounds, args.stream_requests = 2, 4
+        args.light_s, args.heavy_s, args.light_rate, args.heavy_rate = 1.0, 2.0, 1.0, 3.0
+        args.input_tokens, args.output_tokens, args.autotune_interval = 32, 8, 1.0
+        args.sweep_seqs, args.sweep_waiting = [8], [16]
+        args.rounds, args.stream_requests, args.stream_tokens = 1, 2, 16
     work = Path(tempfile.mkdtemp(prefix="slo-autotune-"))
     res: dict[str, Any] = {"time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:]}
     if args.only in (None, "goodput"):

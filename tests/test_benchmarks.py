@@ -1,0 +1,61 @@
+"""Every maintained benchmark's `--quick` smoke run, as a user runs it
+(`python -m benchmarks.<group>.<name> --quick` from the checkout): it exits 0 and prints
+its figures. Peers (llama.cpp) and Ray are skipped by --quick; what runs is ours, on the
+embedded model, so a benchmark that reaches into engine internals fails here when they
+move instead of rotting until someone runs it by hand."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM = r"[0-9]+(\.[0-9]+)?"
+
+# module -> what its output must show (a regex over stdout): its table, with a figure
+QUICK = {
+    "race.compare": rf"\| single-stream decode tok/s \(c=1, p50\) \| {NUM} \|",
+    "race.fidelity": r"\| default \| [0-9]+/4 \| [0-9]+% \|",
+    "race.startup_memory": rf"\| tokenmill \| {NUM} \| {NUM} \|",
+    "race.ab_servers": rf"greedy decode tok/s \(c=1\) +B +{NUM}",
+    "engine.engine_speed": r'"tg128": [0-9.e+-]+',
+    "engine.model_speed": rf"\| int4 \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|",
+    "engine.offline_throughput": rf"\| 4 \| {NUM} \| {NUM}x \|",
+    "engine.prefix_cache": rf"\| cold / warm \| {NUM}x \|",
+    "engine.quality": rf"int4\+decode +{NUM} +[+-]{NUM}% +{NUM}%",
+    "engine.sampled_speed": rf"\| temperature 1, min_p 0.05 \| {NUM} \| {NUM}x \|",
+    "engine.structured": r"constrained [0-9]/4",
+    "serving.server_overhead": rf"server, process +{NUM} +{NUM} +{NUM}",
+    "serving.spec_decode": r"answers that differ from off's: 0 \(must be 0\)",
+    "serving.slo_autotune": rf"tracing: single-stream decode {NUM} tok/s on",
+    "serving.cluster_routing": rf"\| `tokenmill serve` \(2 threads\) \| {NUM} \| {NUM} \|",
+    "serving.cluster_sim": rf"\| 2 \| affinity \| {NUM} \|",
+    "serving.batch_interference": r"aims: p99 TTFT ratio",
+}
+
+
+def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", sorted(QUICK))
+def test_quick_run(module: str) -> None:
+    proc = run(module, "--quick")
+    tail = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, tail
+    assert re.search(QUICK[module], proc.stdout), f"no figures matching {QUICK[module]!r}{tail}"
+
+
+def test_every_benchmark_has_a_quick_run() -> None:
+    """A new benchmark script joins QUICK (or is a module the benchmarks share)."""
+    shared = {"race.peers", "race.table", "race.naive_server", "gpu.paged"}
+    found = {f"{p.parent.name}.{p.stem}" for p in ROOT.glob("benchmarks/*/*.py") if p.stem != "__init__"}
+    assert found - shared - {"gpu.check"} == set(QUICK)
