@@ -6,6 +6,7 @@ move instead of rotting until someone runs it by hand."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -59,3 +60,26 @@ def test_every_benchmark_has_a_quick_run() -> None:
     shared = {"race.peers", "race.table", "race.naive_server", "gpu.paged"}
     found = {f"{p.parent.name}.{p.stem}" for p in ROOT.glob("benchmarks/*/*.py") if p.stem != "__init__"}
     assert found - shared - {"gpu.check"} == set(QUICK)
+
+
+@pytest.mark.slow
+def test_gpu_check_on_cpu(tmp_path: Path) -> None:
+    """The device check's CPU path: tiny configs, every phase run (no time budget), the
+    paged decoder's logits and greedy tokens against transformers', batched against alone."""
+    out = tmp_path / "check.json"
+    proc = run("gpu.check", "--device", "cpu", "--quick", "--out", str(out), "--budget-s", "100000")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["done"] and report["ok"]
+    phases = {(p["model"], p["phase"]): p for p in report["phases"]}
+    for model in ("tiny-llama", "tiny-qwen2"):
+        for name in ("build", "parity", "batched_equals_alone", "cuda_graphs_capture", "decode_c1", "decode_c4",
+                     "ttft"):
+            assert phases[(model, name)]["status"] == "ok", phases.get((model, name))
+        parity = phases[(model, "parity")]
+        assert parity["logits"]["max_abs_err_vs_fp32"] <= parity["logits"]["tolerance"]
+        assert parity["greedy"]["teacher_forced_unexplained"] == 0
+        assert phases[(model, "batched_equals_alone")]["unexplained_divergences"] == 0
+        c4 = phases[(model, "decode_c4")]
+        assert c4["ours_eager"]["output_tok_s"] > 0 and c4["transformers"]["output_tok_s"] > 0
+        assert c4["ours_eager"]["bucket"] == 4
