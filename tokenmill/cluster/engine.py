@@ -99,6 +99,11 @@ class ClusterEngine(EngineFront):
         self._poller = asyncio.ensure_future(self._poll_forever())
 
     def _deploy(self) -> None:
+        # Ray's C++ failure-signal handler takes SIGTERM for a crash: it prints a stack
+        # trace and arms a 3 s alarm that aborts the process (SIGABRT) in the middle of the
+        # drain. The ingress handles its own signals (tokenmill/server/launch.py), so its
+        # process goes without; read when ray is imported. Replicas keep Ray's default.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray
         from ray import serve
         from ray.serve.config import RequestRouterConfig
@@ -108,7 +113,8 @@ class ClusterEngine(EngineFront):
 
         o = self.options
         root = str(Path(__file__).resolve().parents[2])  # replicas import the tokenmill this process runs
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+               "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "0"}
         if not ray.is_initialized():
             where = f"joining the Ray cluster at {o.address}" if o.address else "starting a local Ray cluster"
             say(f"cluster: {where}")

@@ -13,10 +13,12 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      model_validator)
 
 from tokenmill.engine.api import InvalidParameter, RequestBounds, SamplingParams, StructuredOutput
 from tokenmill.server import tools as tool_calls
+from tokenmill.server.strict import strict_schema
 
 
 class _Body(BaseModel):
@@ -125,7 +127,9 @@ class _SamplingFields(_Body):
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise InvalidParameter("response_format", "response_format of type json_schema needs "
                                                           "json_schema.schema")
-            found.append((StructuredOutput("json", rf.json_schema.schema_), "response_format"))
+            schema = rf.json_schema.schema_
+            found.append((StructuredOutput("json", strict_schema(schema) if rf.json_schema.strict else schema),
+                          "response_format"))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
             value = getattr(self, name)
@@ -241,6 +245,22 @@ class ChatCompletionRequest(_SamplingFields):
         """SamplingParams' names for the fields this body spells differently."""
         return {**super().param_renames(), "logprobs": "top_logprobs",
                 "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+
+    @model_validator(mode="after")
+    def _message_shapes(self) -> "ChatCompletionRequest":
+        """What OpenAI requires of a message beyond its types: a tool message answers a call
+        (tool_call_id) with content; an assistant message has content or tool calls."""
+        for i, m in enumerate(self.messages):
+            where = f"messages.[{i}]"
+            if m.role == "tool" and m.tool_call_id is None:
+                raise InvalidParameter(f"{where}.tool_call_id", "Missing parameter 'tool_call_id': messages with "
+                                                                "role 'tool' must have a 'tool_call_id'.")
+            if m.role == "tool" and m.content is None:
+                raise InvalidParameter(f"{where}.content", f"Missing required parameter: '{where}.content'.")
+            if m.role == "assistant" and m.content is None and not m.tool_calls:
+                raise InvalidParameter(f"{where}.content", f"Invalid value for '{where}.content': an assistant "
+                                                           "message needs content or tool_calls.")
+        return self
 
 
 class CompletionRequest(_SamplingFields):
