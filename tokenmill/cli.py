@@ -44,7 +44,7 @@ def _cli_engine(model: Optional[str], dtype: Optional[str], quantization: Option
         engine = make_engine(options.engine_config(), "thread")
     except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
-    if engine.tokenizer is None:
+    if engine.served().tokenizer is None:
         _fail("this model has no tokenizer (tokenizer.json); cannot encode a text prompt")
     return engine
 
@@ -119,7 +119,7 @@ def generate(
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     engine = _cli_engine(model, dtype, quantization)
-    tok = engine.tokenizer
+    tok = engine.served().tokenizer
     if chat:
         if tok.chat_template is None:
             _fail("this model has no chat template; drop --chat")
@@ -160,7 +160,7 @@ def chat(
     from tokenmill.engine.api import SamplingParams
 
     engine = _cli_engine(model, dtype, quantization)
-    tok = engine.tokenizer
+    tok = engine.served().tokenizer
     if tok.chat_template is None:
         _fail("this model has no chat template")
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []

@@ -209,8 +209,14 @@ class ServedModel:
     name: str
     tokenizer: Tokenizer | None
     config: ModelConfig
-    limits: RequestLimits  # known once the engine has started (its KV cache is sized)
     defaults: GenerationDefaults  # the model's generation defaults, then the server's
+    started_limits: RequestLimits | None  # None until the engine has started (its KV cache sized)
+
+    @property
+    def limits(self) -> RequestLimits:
+        if self.started_limits is None:
+            raise EngineDeadError(f"the engine serving {self.name!r} has not started")
+        return self.started_limits
 
     @property
     def max_model_len(self) -> int:
@@ -240,8 +246,8 @@ class EngineClient(Protocol):
         ...
 
     def served(self, model: str | None = None) -> ServedModel:
-        """The model a request names (None: the default). Raises UnknownModel for a name
-        not served, EngineDeadError before the engine has started."""
+        """The model a request names (None: the default): its tokenizer and defaults known
+        before start, its limits once started. Raises UnknownModel for a name not served."""
         ...
 
     async def start(self) -> None: ...

@@ -129,7 +129,7 @@ class EngineFront:
     def served(self, model: str | None = None) -> ServedModel:
         if model is not None and model != self.name:
             raise UnknownModel(model, self.model_names())
-        return ServedModel(self.name, self.tokenizer, self.model_config, self.limits, self.defaults)
+        return ServedModel(self.name, self.tokenizer, self.model_config, self.defaults, self._limits)
 
     def stats(self) -> EngineStats:
         # a snapshot refreshed by the loop after each step

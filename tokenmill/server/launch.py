@@ -72,9 +72,9 @@ def build_server(options: ServeOptions) -> FastAPI:
     autotune = _autotune(options)
     policy = _policy(options)
     engine = _engine(options)
-    if engine.tokenizer is None:
+    if engine.served().tokenizer is None:
         raise OptionError("this model has no tokenizer; the server needs one")
-    config = ServerConfig(host=options.host, port=options.port, served_model_name=options.served_model_name,
+    config = ServerConfig(host=options.host, port=options.port,
                           shutdown_timeout_s=options.shutdown_timeout, chat_template=template)
     return build_app(engine, config, policy, tracer_provider=tracer_provider, autotune=autotune)
 
