@@ -32,9 +32,9 @@ from typing import Any
 
 from tokenmill.engine.api import EngineConfig, EngineDeadError, EngineStats
 from tokenmill.cluster.replica import rebase_times
-from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, TuneCommand
+from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, TuneCommand, generation_defaults
 from tokenmill.logs import say
-from tokenmill.model.metadata import load_metadata
+from tokenmill.model.metadata import load_model_info
 
 log = logging.getLogger("tokenmill.cluster")
 APP = "tokenmill"
@@ -70,8 +70,9 @@ def stats_sum(reports: list[EngineStats]) -> EngineStats:
 
 class ClusterEngine(EngineFront):
     def __init__(self, config: EngineConfig, options: ClusterOptions):
-        model_config, tokenizer = load_metadata(config.model.path)
-        super().__init__(tokenizer, model_config, config.bounds)
+        info = load_model_info(config.model.path)
+        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name,
+                         generation_defaults(info.generation, config.model))
         self.config = config
         self.options = options
         self.handle = None
