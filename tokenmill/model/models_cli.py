@@ -34,11 +34,13 @@ def install(
 
 @models_app.command("list")
 def list_models() -> None:
-    """Known models, where each is installed and its generation defaults (what a request
-    that says nothing gets). Serve one with --model NAME."""
+    """Known models, where each is installed, its licence and its generation defaults (what
+    a request that says nothing gets). Serve one with --model NAME."""
     typer.echo(f"models directory: {registry.models_dir()}")
     for name, description, where in registry.listing():
         typer.echo(f"{name}: {description}\n    {where}")
+        if name in registry.RECIPES:  # the terms a user accepts by installing it
+            typer.echo(f"    license: {registry.RECIPES[name].license}")
         defaults = (registry.EMBEDDED_GENERATION if name == registry.EMBEDDED_NAME
                     else dict(registry.RECIPES[name].generation))
         if os.path.isfile(where):  # a file that carries its own defaults says so

