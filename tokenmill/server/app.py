@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill.batch.runner import BatchLimits
 from tokenmill.engine.api import EngineClient, RequestBounds
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
+from tokenmill.server.dialects import add_dialect_routes
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
@@ -96,7 +97,8 @@ class Frontdoor:
     """Pure ASGI middleware (streaming-safe), outermost:
     - every response carries x-request-id (the client's own if sent) and, for a tenant
       with limits, the x-ratelimit-* headers; status codes are counted;
-    - API calls need `Authorization: Bearer KEY` when a key store is configured (401);
+    - API calls need `Authorization: Bearer KEY` (or `x-api-key: KEY`) when a key store
+      is configured (401);
     - while draining for shutdown new API requests get 503;
     - when the exchange ends, however it ends, the request's settlement runs."""
 
@@ -119,6 +121,8 @@ class Frontdoor:
                 scheme, _, token = v.decode("latin-1").partition(" ")
                 if scheme.lower() == "bearer" and token.strip():
                     return self.keys.authenticate(token.strip())
+            elif k == b"x-api-key" and v.strip():  # Anthropic's clients send the key here
+                return self.keys.authenticate(v.decode("latin-1").strip())
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -129,7 +133,7 @@ class Frontdoor:
         rid = rid or uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["client_request_id"] = rid
-        is_api = scope["path"].startswith("/v1/")
+        is_api = scope["path"].startswith("/v1/") or scope["path"] in ("/tokenize", "/detokenize")
         tenant = self._tenant(scope) if is_api else None
         state["tenant"] = tenant
 
@@ -402,6 +406,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
                        open_tenant=Tenant(ANONYMOUS, policy.defaults),
                        max_body_bytes=engine.bounds.max_body_bytes,
                        upload_bytes=policy.batch.max_file_bytes + (1 << 20) if runner is not None else None)
+    add_dialect_routes(app, engine, chat, gate, serve)
     return app
 
 

@@ -1,0 +1,23 @@
+"""Dialects: the other APIs clients speak (vLLM's /tokenize, Anthropic's Messages,
+OpenAI's Responses), each a translation at the edge onto the one chat serving path.
+None has its own validation, gate, pricing or telemetry: each turns its body into a
+ChatCompletionRequest, runs it through app.py's `serve` (the path /v1/chat/completions
+takes) and turns the chat answer back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from tokenmill.engine.api import EngineClient
+from tokenmill.server.serving_chat import ServingChat
+
+
+def add_dialect_routes(app: FastAPI, engine: EngineClient, chat: ServingChat, gate: Any, serve: Callable) -> None:
+    """Every dialect's routes. Call it after the front door middleware is added: the
+    Messages API's error shaping sits outside it."""
+    from tokenmill.server.dialects.tokenize import add_tokenize_routes
+
+    add_tokenize_routes(app, engine, chat)
