@@ -18,6 +18,8 @@ from tokenmill.server.serving_chat import ServingChat
 def add_dialect_routes(app: FastAPI, engine: EngineClient, chat: ServingChat, gate: Any, serve: Callable) -> None:
     """Every dialect's routes. Call it after the front door middleware is added: the
     Messages API's error shaping sits outside it."""
+    from tokenmill.server.dialects.anthropic import add_messages_routes
     from tokenmill.server.dialects.tokenize import add_tokenize_routes
 
     add_tokenize_routes(app, engine, chat)
+    add_messages_routes(app, chat, serve, gate)
