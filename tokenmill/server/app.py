@@ -406,7 +406,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
                        open_tenant=Tenant(ANONYMOUS, policy.defaults),
                        max_body_bytes=engine.bounds.max_body_bytes,
                        upload_bytes=policy.batch.max_file_bytes + (1 << 20) if runner is not None else None)
-    add_dialect_routes(app, engine, chat, gate, serve)
+    add_dialect_routes(app, engine, chat, gate, serve, getattr(policy.batch_store, "root", None))
     return app
 
 

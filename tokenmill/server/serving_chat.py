@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -36,9 +36,17 @@ class ServingChat(BaseServing):
 
     async def complete(self, body: ChatCompletionRequest, ctx: RequestContext) -> dict[str, Any]:
         """The whole answer as one JSON body (what a batch line gets, too)."""
+        return await (await self.begin(body, ctx))
+
+    async def begin(self, body: ChatCompletionRequest, ctx: RequestContext) -> Awaitable[dict[str, Any]]:
+        """Checked and admitted now; the whole answer, to await later (a background
+        response is refused at once, and generates in its own task)."""
         ids, params = await self.prepare_body(body, ctx)
         stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
-        return self.check_deadline(await self._full(body, ctx, stream, len(ids)))
+        return self._whole(body, ctx, stream, len(ids))
+
+    async def _whole(self, body: ChatCompletionRequest, ctx: RequestContext, stream, num_prompt: int) -> dict:
+        return self.check_deadline(await self._full(body, ctx, stream, num_prompt))
 
     async def prepare_body(self, body: ChatCompletionRequest, ctx: RequestContext) -> tuple[list[int], Any]:
         """Everything checked and the prompt tokenized: (prompt ids, params to run). With
