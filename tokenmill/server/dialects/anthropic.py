@@ -241,7 +241,7 @@ async def stream_events(chunks: AsyncIterator[dict[str, Any]], body: MessagesReq
     arrive whole)."""
     started = False
     index = -1
-    open_kind: str | None = None  # the block being written: "text", or None
+    text_open = False  # a text block is being written
     finish = matched = None
     final_usage = None
 
@@ -254,8 +254,8 @@ async def stream_events(chunks: AsyncIterator[dict[str, Any]], body: MessagesReq
         return event("message_start", {"message": message}) + event("ping", {})
 
     def close() -> str:
-        nonlocal open_kind
-        open_kind = None
+        nonlocal text_open
+        text_open = False
         return event("content_block_stop", {"index": index})
 
     try:
@@ -272,15 +272,13 @@ async def stream_events(chunks: AsyncIterator[dict[str, Any]], body: MessagesReq
             ch = c["choices"][0]
             text = ch["delta"].get("content")
             if text:
-                if open_kind != "text":
-                    if open_kind is not None:
-                        yield close()
+                if not text_open:
                     index += 1
-                    open_kind = "text"
+                    text_open = True
                     yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
                 yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": text}})
             for call in ch["delta"].get("tool_calls") or []:
-                if open_kind is not None:
+                if text_open:
                     yield close()
                 index += 1
                 fn = call["function"]
@@ -296,7 +294,7 @@ async def stream_events(chunks: AsyncIterator[dict[str, Any]], body: MessagesReq
                            code="deadline_exceeded")
         if not started:
             yield start()
-        if open_kind is not None:
+        if text_open:
             yield close()
         reason, sequence = stop_reason(finish, matched, body.stop_sequences)
         yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -322,8 +320,11 @@ class _Messages:
                 answer = await run_until_disconnected(raw, self.chat.complete(chat_body, ctx))
                 return JSONResponse(to_message(answer, self.body))
             chunks = await self.chat.open_stream(chat_body, ctx)
-        except APIError as exc:
-            raise renamed(exc, RENAMES) from None
+        except Exception as exc:  # a client's error, named as this dialect names the field
+            err = renamed(exc, RENAMES)
+            if err is exc:
+                raise
+            raise err from None
         return streaming_response(stream_events(chunks, self.body, ctx))
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tokenmill.server.errors import APIError, validation_error
+from tokenmill.server.errors import APIError, as_api_error, validation_error
 from tokenmill.server.protocol import ChatCompletionRequest
 
 
@@ -20,12 +20,15 @@ def chat_request(fields: dict[str, Any], renames: dict[str, str]) -> ChatComplet
         raise renamed(validation_error(exc.errors()), renames) from None
 
 
-def renamed(exc: APIError, renames: dict[str, str]) -> APIError:
-    """`exc` with its parameter (and the message's first mention of it) in the
-    dialect's spelling: a Messages client sent `stop_sequences`, not `stop`."""
+def renamed(exc: Exception, renames: dict[str, str]) -> Exception:
+    """A client's error with its parameter (and the message's first mention of it) in
+    the dialect's spelling: a Messages client sent `stop_sequences`, not `stop`. Any
+    other exception (a bug) is returned as it is."""
+    exc = as_api_error(exc) or exc
+    if not isinstance(exc, APIError):
+        return exc
     new = renames.get(exc.param or "")
     if new is None:
         return exc
-    out = APIError(exc.status, exc.message.replace(exc.param, new, 1), param=new, code=exc.code,
-                   headers=exc.headers, type_=exc.type)
-    return out
+    return APIError(exc.status, exc.message.replace(exc.param, new, 1), param=new, code=exc.code,
+                    headers=exc.headers, type_=exc.type)

@@ -195,7 +195,7 @@ def finish_status(finish: str | None) -> tuple[str, dict[str, str] | None]:
 def output_items(answer: dict[str, Any]) -> list[dict[str, Any]]:
     choice = answer["choices"][0]
     msg = choice["message"]
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    status = finish_status(choice["finish_reason"])[0]
     items = []
     if msg.get("content") or not msg.get("tool_calls"):
         items.append(message_item(item_id("msg"), msg.get("content") or "", status))

@@ -74,15 +74,22 @@ class _Turn:
                 status, incomplete = finish_status(answer["choices"][0]["finish_reason"])
                 return JSONResponse(await self.finish(output_items(answer), status, answer["usage"], incomplete))
             chunks = await chat.open_stream(chat_body, ctx)
-        except APIError as exc:
-            raise renamed(exc, RENAMES) from None
+        except Exception as exc:  # a client's error, named as this dialect names the field
+            err = renamed(exc, RENAMES)
+            if err is exc:
+                raise
+            raise err from None
         return streaming_response(stream_events(chunks, self._object("in_progress"), self.finish, self.fail))
 
     async def _background(self, chat_body: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         work = await self.api.chat.begin(chat_body, ctx)  # refused now (400, 429), not later
-        raw.scope["state"].pop("ctx", None)  # settled when the work ends, not when this exchange does
         queued = self._object("queued")
-        await asyncio.to_thread(self.api.store.put, self.tenant, queued, self.conversation)
+        try:
+            await asyncio.to_thread(self.api.store.put, self.tenant, queued, self.conversation)
+        except BaseException:
+            work.close()  # never started: nothing queued in the engine
+            raise
+        raw.scope["state"].pop("ctx", None)  # settled when the work ends, not when this exchange does
         self.api.tasks[self.rid] = asyncio.ensure_future(self._run(work, ctx))
         return JSONResponse(queued)
 
@@ -134,6 +141,7 @@ class ResponsesAPI:
             self.cancelling.add(response_id)
             task.cancel()
             await asyncio.wait([task])
+            self.cancelling.discard(response_id)  # it may have finished on its own meanwhile
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())
