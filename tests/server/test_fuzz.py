@@ -120,7 +120,8 @@ def fuzz_server():
 @pytest.fixture(scope="module")
 def schema(fuzz_server):
     served = httpx.get(fuzz_server.url + "/openapi.json", timeout=TIMEOUT_S).json()
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize"} <= set(served["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+            "/tokenize"} <= set(served["paths"])
     doc = narrowed(served)
     config = schemathesis.Config.from_dict({"output": {"sanitization": {"enabled": False}}})  # show max_tokens
     return schemathesis.openapi.from_dict(doc, config=config)

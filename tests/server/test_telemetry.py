@@ -130,7 +130,8 @@ def test_dialects_are_traced_and_priced_as_chat(traced):
     msg = httpx.post(url + "/v1/messages", timeout=120,
                      json={"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": ask}).json()
     with httpx.stream("POST", url + "/v1/responses", timeout=120,
-                      json={"model": MODEL, "input": ask, "max_output_tokens": 4, "temperature": 0, "stream": True}) as r:
+                      json={"model": MODEL, "input": ask, "max_output_tokens": 4, "temperature": 0,
+                            "stream": True}) as r:
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     resp = events[-1]["response"]
     for rid, inputs, outputs, cost in (
