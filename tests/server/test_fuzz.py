@@ -1,7 +1,9 @@
 """A bounded, seeded schemathesis run against a live server, over its own OpenAPI
-document: both POST endpoints, schema-conforming (positive) and schema-violating
-(negative) bodies. The promise checked for every case: no 5xx, no hang, an
-OpenAI-shaped error for every 4xx, and /health still answering 200 afterwards.
+document: the POST endpoints (chat, completions, and the dialects: Responses, Messages,
+tokenize), schema-conforming (positive) and schema-violating (negative) bodies. The
+promise checked for every case: no 5xx, no hang, an error in the route's own shape
+(Anthropic's on /v1/messages, OpenAI's elsewhere) for every 4xx, a stream that ends as
+its dialect ends one, and /health still answering 200 afterwards.
 
 The served document types every field but states no bounds (those live in the
 engine's RequestLimits and are configurable), and `model` is any string. So the run
@@ -34,6 +36,8 @@ MAX_PROMPTS = 3  # the server allows 64 prompts a body; the positive phase sends
 # Cases per endpoint and mode, 300 in all. A positive case mostly generates (seconds on 2 busy
 # cores), a negative one is mostly refused at once.
 CASES = {GenerationMode.POSITIVE: 50, GenerationMode.NEGATIVE: 100}
+# The dialects translate onto the chat path fuzzed above: fewer cases reach their own edges.
+DIALECT_CASES = {GenerationMode.POSITIVE: 15, GenerationMode.NEGATIVE: 30}
 TIMEOUT_S = 60.0  # a response (or a stream's next chunk) slower than this is a hang
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -53,6 +57,7 @@ SCALAR_BOUNDS: dict[str, tuple[tuple[str, ...], dict]] = {
     "seed": (_INT, {"minimum": -(2 ** 63), "maximum": 2 ** 64 - 1}),
     "max_tokens": (_INT, {"minimum": 1, "maximum": 2 ** 63 - 1}),
     "max_completion_tokens": (_INT, {"minimum": 1, "maximum": 2 ** 63 - 1}),
+    "max_output_tokens": (_INT, {"minimum": 1, "maximum": 2 ** 63 - 1}),
     "min_tokens": (_INT, {"minimum": 0, "maximum": 2 ** 63 - 1}),
     "logprobs": (_INT, {"minimum": 0, "maximum": 20}),
     "top_logprobs": (_INT, {"minimum": 0, "maximum": 20}),
@@ -65,7 +70,11 @@ SHAPED_BOUNDS: dict[str, dict[str, dict]] = {
     "logit_bias": {"object": {"maxProperties": 300, "propertyNames": {"pattern": "^[0-9]{1,4}$"},
                               "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}},
     "messages": {"array": {"maxItems": 2048}},
+    "stop_sequences": {"array": {"maxItems": 16, "items": {"type": "string", "maxLength": 256}}},
+    "tokens": {"array": {"items": {"type": "integer", **TOKEN_ID}}},
 }
+BODIES = ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest",
+          "TokenizeRequest", "DetokenizeRequest")
 PROMPT = {"anyOf": [
     {"type": "string"},
     {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"type": "string"}},
@@ -83,7 +92,7 @@ def narrowed(doc: dict) -> dict:
     """A copy of the served document with `model` fixed to the served one and every
     documented bound written in."""
     doc = copy.deepcopy(doc)
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in BODIES:
         props = doc["components"]["schemas"][name]["properties"]
         props["model"] = {"type": "string", "enum": [MODEL]}
         for field, (types, bounds) in SCALAR_BOUNDS.items():
@@ -111,7 +120,8 @@ def fuzz_server():
 @pytest.fixture(scope="module")
 def schema(fuzz_server):
     served = httpx.get(fuzz_server.url + "/openapi.json", timeout=TIMEOUT_S).json()
-    assert {"/v1/chat/completions", "/v1/completions"} <= set(served["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+            "/tokenize"} <= set(served["paths"])
     doc = narrowed(served)
     config = schemathesis.Config.from_dict({"output": {"sanitization": {"enabled": False}}})  # show max_tokens
     return schemathesis.openapi.from_dict(doc, config=config)
@@ -143,20 +153,42 @@ def check_case(server: ServerProcess, case, session: requests.Session, tally: Ta
     where = f"\n{case.as_curl_command()}\n-> {resp.status_code} {resp.text[:500]}"
     assert resp.status_code < 500, "a 5xx" + where
     assert elapsed < TIMEOUT_S, f"took {elapsed:.1f}s" + where
+    anthropic = case.path.startswith("/v1/messages")
     if resp.status_code >= 400:
         body = resp.json()
-        assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, "not an OpenAI-shaped error" + where
+        if anthropic:
+            assert body.get("type") == "error" and set(body["error"]) == {"type", "message"}, \
+                "not an Anthropic-shaped error" + where
+            assert body["error"]["type"] != "api_error", "a server error" + where
+        else:
+            assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, "not an OpenAI-shaped error" + where
         assert body["error"]["message"], "an error without a message" + where
     elif resp.headers.get("content-type", [""])[0].startswith("text/event-stream"):
-        events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", "a stream that did not end" + where
-        for e in events[:-1]:
-            err = json.loads(e).get("error")
-            assert err is None or err["type"] != "server_error", "a server error in the stream" + where
+        check_stream(case.path, resp.text, where)
     else:
         resp.json()
     health = httpx.get(server.url + "/health", timeout=TIMEOUT_S)
     assert health.status_code == 200, f"/health answered {health.status_code} {health.text} after" + where
+
+
+def check_stream(path: str, text: str, where: str) -> None:
+    """The stream ended the way its dialect ends one, with no server error in it."""
+    data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    names = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    if path == "/v1/messages":
+        assert names and names[-1] in ("message_stop", "error"), "a stream that did not end" + where
+        errors = [json.loads(d)["error"] for d in data if json.loads(d)["type"] == "error"]
+        assert all(e["type"] != "api_error" for e in errors), "a server error in the stream" + where
+    elif path == "/v1/responses":
+        assert names and names[-1] in ("response.completed", "response.incomplete", "response.failed"), \
+            "a stream that did not end" + where
+        errors = [json.loads(d) for d in data if json.loads(d)["type"] == "error"]
+        assert all(e["code"] != "server_error" for e in errors), "a server error in the stream" + where
+    else:
+        assert data and data[-1] == "[DONE]", "a stream that did not end" + where
+        for e in data[:-1]:
+            err = json.loads(e).get("error")
+            assert err is None or err["type"] != "server_error", "a server error in the stream" + where
 
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None,
@@ -165,13 +197,15 @@ SETTINGS = settings(derandomize=True, database=None, deadline=None,
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                  "/v1/messages/count_tokens", "/tokenize", "/detokenize"])
 def test_fuzz(fuzz_server, schema, path, mode):
     operation = schema[path]["POST"]
     tally = Tally()
+    cases = CASES if path in ("/v1/chat/completions", "/v1/completions") else DIALECT_CASES
     with requests.Session() as session:
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(SETTINGS, max_examples=CASES[mode])
+        @settings(SETTINGS, max_examples=cases[mode])
         def run(case):
             check_case(fuzz_server, case, session, tally)
 

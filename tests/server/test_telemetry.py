@@ -123,6 +123,29 @@ def test_streamed_request_without_traceparent_starts_a_trace(traced):
     assert tuple(span.attributes["gen_ai.response.finish_reasons"]) == ("length",)
 
 
+def test_dialects_are_traced_and_priced_as_chat(traced):
+    """/v1/messages and /v1/responses run the chat path: the same span, usage and price."""
+    url, exporter = traced
+    ask = [{"role": "user", "content": "Name a fruit."}]
+    msg = httpx.post(url + "/v1/messages", timeout=120,
+                     json={"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": ask}).json()
+    with httpx.stream("POST", url + "/v1/responses", timeout=120,
+                      json={"model": MODEL, "input": ask, "max_output_tokens": 4, "temperature": 0,
+                            "stream": True}) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    resp = events[-1]["response"]
+    for rid, inputs, outputs, cost in (
+            (msg["id"], msg["usage"]["input_tokens"] + msg["usage"]["cache_read_input_tokens"],
+             msg["usage"]["output_tokens"], msg["usage"]["cost"]["total_usd"]),
+            (resp["id"], resp["usage"]["input_tokens"], resp["usage"]["output_tokens"],
+             resp["usage"]["cost"]["total_usd"])):
+        (span,) = spans_for(exporter, rid)
+        a = span.attributes
+        assert span.name == f"chat {MODEL}" and a["http.response.status_code"] == 200
+        assert a["gen_ai.usage.input_tokens"] == inputs and a["gen_ai.usage.output_tokens"] == outputs > 0
+        assert a["tokenmill.cost_usd"] == pytest.approx(cost) and cost > 0
+
+
 def test_refused_request_is_an_error_span(traced):
     url, exporter = traced
     r = httpx.post(url + "/v1/chat/completions", timeout=60,

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.batch.runner import BatchLimits
 from tokenmill.engine.api import EngineClient
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
+from tokenmill.server.dialects import add_dialect_routes
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
@@ -258,6 +259,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
                        open_tenant=Tenant(ANONYMOUS, policy.defaults),
                        max_body_bytes=engine.bounds.max_body_bytes,
                        upload_bytes=policy.batch.max_file_bytes + (1 << 20) if runner is not None else None)
+    add_dialect_routes(app, engine, chat, gate, serve, getattr(policy.batch_store, "root", None))
     return app
 
 

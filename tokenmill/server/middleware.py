@@ -50,7 +50,8 @@ class Frontdoor:
     """Pure ASGI middleware (streaming-safe), outermost:
     - every response carries x-request-id (the client's own if sent) and, for a tenant
       with limits, the x-ratelimit-* headers; status codes are counted;
-    - API calls need `Authorization: Bearer KEY` when a key store is configured (401);
+    - API calls need `Authorization: Bearer KEY` (or `x-api-key: KEY`) when a key store
+      is configured (401);
     - while draining for shutdown new API requests get 503;
     - when the exchange ends, however it ends, the request's settlement runs."""
 
@@ -73,6 +74,8 @@ class Frontdoor:
                 scheme, _, token = v.decode("latin-1").partition(" ")
                 if scheme.lower() == "bearer" and token.strip():
                     return self.keys.authenticate(token.strip())
+            elif k == b"x-api-key" and v.strip():  # Anthropic's clients send the key here
+                return self.keys.authenticate(v.decode("latin-1").strip())
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,7 +86,7 @@ class Frontdoor:
         rid = rid or uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["client_request_id"] = rid
-        is_api = scope["path"].startswith("/v1/")
+        is_api = scope["path"].startswith("/v1/") or scope["path"] in ("/tokenize", "/detokenize")
         tenant = self._tenant(scope) if is_api else None
         state["tenant"] = tenant
 

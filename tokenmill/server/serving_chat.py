@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -24,20 +24,42 @@ class ServingChat(BaseServing):
     async def create(self, body: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         if not body.stream:
             return json_response(await run_until_disconnected(raw, self.complete(body, ctx)))
+        return streaming_response(sse_with_errors(_as_sse(await self.open_stream(body, ctx))))
+
+    async def open_stream(self, body: ChatCompletionRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Checked, admitted and started: the answer's chunks as dicts (what a dialect
+        translates; a failure from here on is raised while they are read)."""
         ids, params = await self.prepare_body(body, ctx)
         stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming_response(sse_with_errors(self._stream(body, ctx, stream, len(ids), include_usage)))
+        return self.chunks(body, ctx, stream, len(ids), include_usage)
 
     async def complete(self, body: ChatCompletionRequest, ctx: RequestContext) -> dict[str, Any]:
         """The whole answer as one JSON body (what a batch line gets, too)."""
+        return await (await self.begin(body, ctx))
+
+    async def begin(self, body: ChatCompletionRequest, ctx: RequestContext) -> Awaitable[dict[str, Any]]:
+        """Checked and admitted now; the whole answer, to await later (a background
+        response is refused at once, and generates in its own task)."""
         ids, params = await self.prepare_body(body, ctx)
         stream = self.generate(ctx, ctx.request_id, ids, params, body.cache_salt)
-        return self.check_deadline(await self._full(body, ctx, stream, len(ids)))
+        return self._whole(body, ctx, stream, len(ids))
+
+    async def _whole(self, body: ChatCompletionRequest, ctx: RequestContext, stream, num_prompt: int) -> dict:
+        return self.check_deadline(await self._full(body, ctx, stream, num_prompt))
 
     async def prepare_body(self, body: ChatCompletionRequest, ctx: RequestContext) -> tuple[list[int], Any]:
         """Everything checked and the prompt tokenized: (prompt ids, params to run). With
         no gate on ctx this is only the check (a batch line's validation)."""
+        ids = await self.render(body)
+        if self._tag_tokens is None:
+            self._tag_tokens = tool_calls.tags_are_tokens(self.tokenizer)
+        body.for_tokenizer(self._tag_tokens)
+        return ids, self.prepare(ctx, [ids], body.sampling_params(), body.param_renames())
+
+    async def render(self, body: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
+        """The prompt's token ids: messages and tools checked, rendered by the chat
+        template, tokenized (the template writes its own special tokens)."""
         self.check_model(body.model)
         bounds = self.engine.bounds
         if len(body.messages) > bounds.max_messages:
@@ -50,11 +72,7 @@ class ServingChat(BaseServing):
                                            body.add_generation_prompt, tools=tools)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
-        ids = await self.encode(text, "messages", add_special_tokens=False)
-        if self._tag_tokens is None:
-            self._tag_tokens = tool_calls.tags_are_tokens(self.tokenizer)
-        body.for_tokenizer(self._tag_tokens)
-        return ids, self.prepare(ctx, [ids], body.sampling_params(), body.param_renames())
+        return await self.encode(text, "messages", add_special_tokens=add_special_tokens)
 
     def _with_tools(self, body: ChatCompletionRequest, messages: list[dict[str, Any]]):
         """(messages, tools) for the template: as they are if it has a tools branch (calls'
@@ -112,17 +130,18 @@ class ServingChat(BaseServing):
             "system_fingerprint": None,
         }
 
-    async def _stream(self, body: ChatCompletionRequest, ctx: RequestContext, stream, num_prompt: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def chunks(self, body: ChatCompletionRequest, ctx: RequestContext, stream, num_prompt: int,
+                     include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         created = now()
         base = {"id": ctx.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
         if include_usage:
             base["usage"] = None
 
-        def chunk(index: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
-            return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": finish}]})
+        def chunk(index: int, delta: dict, finish: str | None = None, logprobs: Any = None,
+                  stop_reason: int | str | None = None) -> dict[str, Any]:
+            return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish, "stop_reason": stop_reason}]}
 
         for i in range(body.n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -154,10 +173,16 @@ class ServingChat(BaseServing):
                 if finish == "stop" and p.calls:
                     finish = "tool_calls"
                 if delta or lps or out.finished:
-                    yield chunk(out.index, delta, finish, lps)
+                    yield chunk(out.index, delta, finish, lps, out.stop_reason if out.finished else None)
             elif out.text or lps or out.finished:
                 delta = {"content": out.text} if out.text else {}
-                yield chunk(out.index, delta, out.finish_reason if out.finished else None, lps)
+                yield chunk(out.index, delta, out.finish_reason if out.finished else None, lps,
+                            out.stop_reason if out.finished else None)
         usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs), spec))
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage})
+            yield {**base, "choices": [], "usage": usage}
+
+
+async def _as_sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async for c in chunks:
+        yield sse(c)
