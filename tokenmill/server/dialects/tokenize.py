@@ -54,7 +54,7 @@ def add_tokenize_routes(app: FastAPI, engine: EngineClient, chat: ServingChat) -
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await chat.encode(body.prompt, "prompt", add_special_tokens=add)
         strs = [chat.token_str(t) for t in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": engine.served().max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def add_tokenize_routes(app: FastAPI, engine: EngineClient, chat: ServingChat) -
             chat.check_model(body.model)
         if body.tokens:
             try:
-                engine.limits.check_token_ids(body.tokens)
+                engine.served().limits.check_token_ids(body.tokens)
             except InvalidParameter as exc:
                 raise APIError(400, str(exc).replace("prompt token ids", "tokens", 1), param="tokens") from None
         text = await asyncio.to_thread(chat.tokenizer.decode, body.tokens, skip_special_tokens=False)
