@@ -62,6 +62,10 @@ sys.stdout.flush()
 os.write(1, ('\\n' + nonce + '\\n').encode())
 """
 
+# Inside the mount namespace: a private tmpfs over /tmp with the work folder and the
+# interpreter in it. Without a mount namespace the caller's host folders are used.
+INNER_TMP, INNER_WORK, INNER_PYTHON = "/tmp", "/tmp/work", "/tmp/python"
+
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -125,16 +129,20 @@ def leave_namespaces(job: dict, report: dict) -> str:
 
 
 def private_filesystem(job: dict, report: dict) -> None:
-    """The work folder as a capped tmpfs, the interpreter read-only, the rest read-only."""
-    work, pyroot = job["work"], job["python_mount"]
+    """A capped tmpfs over /tmp holding the work folder and the interpreter (bound in
+    read-only), every other mount read-only. Inside, the paths are fixed (/tmp/work,
+    /tmp/python), so no host folder on the way needs to be reachable by the sandbox uid."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    owner = f",uid={job['uid']},gid={job['gid']}" if report["uid"] is not None else ""
-    mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={job['limits']['disk_mb']}m,nr_inodes=4096,mode=0700{owner}")
-    mount(job["python_prefix"], pyroot, None, MS_BIND | MS_REC)
+    mount("tmpfs", INNER_TMP, "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={job['limits']['disk_mb']}m,nr_inodes=4096,mode=0755")
+    os.mkdir(INNER_WORK, 0o700)
+    os.mkdir(INNER_PYTHON, 0o755)
+    if report["uid"] is not None:
+        os.chown(INNER_WORK, job["uid"], job["gid"])
+    mount(job["python_prefix"], INNER_PYTHON, None, MS_BIND | MS_REC)
     failed = []
     for point, options in mounts().items():
-        if point == work:
+        if point == INNER_TMP:
             continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
         for opt in options:
@@ -143,7 +151,7 @@ def private_filesystem(job: dict, report: dict) -> None:
             mount(None, point, None, flags)
         except OSError as exc:
             failed.append(f"{point}: {exc.strerror}")
-    writable = [p for p, opts in mounts().items() if "rw" in opts and p != work]
+    writable = [p for p, opts in mounts().items() if "rw" in opts and p != INNER_TMP]
     if "/" in writable:
         raise OSError("the root file system could not be made read-only")
     report["filesystem"] = "read-only outside the work folder" if not writable else "partly read-only"
@@ -169,7 +177,7 @@ def child(job: dict, mode: str, report: dict, out_w: int, err_w: int) -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if not report["cgroup"].get("pids"):
             resource.setrlimit(resource.RLIMIT_NPROC, (lim["processes"],) * 2)
-        if mode == "root":
+        if os.geteuid() == 0 and mode != "userns":
             os.setgroups([])
             os.setgid(job["gid"])
             os.setuid(job["uid"])
@@ -180,13 +188,12 @@ def child(job: dict, mode: str, report: dict, out_w: int, err_w: int) -> None:
             write_file("/proc/self/setgroups", "deny")
             write_file("/proc/self/uid_map", "65534 0 1")
             write_file("/proc/self/gid_map", "65534 0 1")
-        # Without a mount namespace the interpreter is reached at its real path.
-        pyroot = job["python_mount"] if mode != "none" else job["python_prefix"]
+        work, pyroot = (INNER_WORK, INNER_PYTHON) if mode != "none" else (job["work"], job["python_prefix"])
         prctl(PR_SET_NO_NEW_PRIVS, 1)
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        os.chdir(job["work"])
+        os.chdir(work)
         os.umask(0o077)
-        env = {"PATH": "/usr/bin:/bin", "HOME": job["work"], "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+        env = {"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                "LD_LIBRARY_PATH": os.path.join(pyroot, "lib")}
         python = os.path.join(pyroot, job["python_exe"])
         os.execve(python, [python, "-I", "-S", "-B", "-c", HARNESS], env)
@@ -251,7 +258,7 @@ def main() -> None:
         private_filesystem(job, report)
     report.update(namespaces=mode, network="isolated" if mode != "none" else "shared",
                   pid_namespace=mode != "none")
-    work = job["work"]
+    work = INNER_WORK if mode != "none" else job["work"]
     nonce = job["nonce"]
     for name, text in (("answer.py", job["answer"]), ("tests.py", job["tests"]), (".nonce", nonce)):
         path = os.path.join(work, name)

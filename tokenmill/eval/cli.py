@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from tokenmill.eval.runner import EvalError, Settings, Target, discover_model, run_target
+from tokenmill.eval.runner import Answer, EvalError, Settings, Target, discover_model, run_target
 from tokenmill.eval.sandbox import NOBODY, Limits, Sandbox
 from tokenmill.eval.suite import SuiteError, load_suite
 
@@ -134,7 +134,15 @@ def eval_command(
         except (EvalError, ValueError) as exc:
             _fail(str(exc))
         typer.echo(f"{target.label}: {len(tasks.tasks)} tasks, model {model_id}", err=True)
-        run = run_target(Target(target.label, target.base_url, model_id, target.api_key), tasks, settings, sandbox)
+        done = [0]
+
+        def progress(ans: Answer) -> None:
+            done[0] += 1
+            status = "answered" if ans.ok else f"failed ({ans.error})"
+            typer.echo(f"  [{done[0]}/{len(tasks.tasks)}] {ans.task_id}: {status} in {ans.latency_s:.1f}s", err=True)
+
+        run = run_target(Target(target.label, target.base_url, model_id, target.api_key), tasks, settings, sandbox,
+                         on_answer=progress)
         s = summary(run, rate_card, usd_per_hour)
         configs.append(s)
         details.append({"label": target.label, "answers": [a.to_json() for a in run.answers]})

@@ -126,7 +126,7 @@ async def _ask(client: httpx.AsyncClient, target: Target, model: str, task: Task
             ans.prompt_tokens = usage.get("prompt_tokens")
             ans.completion_tokens = usage.get("completion_tokens")
             ans.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    except (httpx.HTTPError, ValueError) as exc:
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # unreachable or a malformed reply
         ans.error = f"{type(exc).__name__}: {exc}"[:200]
     ans.latency_s = time.perf_counter() - start
     return ans

@@ -130,14 +130,12 @@ class Sandbox:
         top = tempfile.mkdtemp(prefix="tokenmill-sbx-", dir=self.temp_dir)
         groups: dict[str, str] = {}
         try:
-            os.chmod(top, 0o755)  # the unprivileged user must reach the work folder inside
+            # Used only where no mount namespace can be had (the launcher then works here).
             (Path(top) / "work").mkdir(mode=0o700)
-            (Path(top) / "python").mkdir()
             lim = self.limits
             groups = cgroups.make(lim.processes + 2,
                                   (lim.memory_mb + lim.disk_mb + LAUNCHER_MEMORY_MB) << 20)
-            job = {"work": os.path.join(top, "work"), "python_mount": os.path.join(top, "python"),
-                   "python_prefix": prefix, "python_exe": exe, "uid": self.uid, "gid": self.gid,
+            job = {"work": os.path.join(top, "work"), "python_prefix": prefix, "python_exe": exe, "uid": self.uid, "gid": self.gid,
                    "limits": asdict(lim), "cgroups": groups, "nonce": secrets.token_hex(16),
                    "answer": answer, "tests": tests}
             return self._launch(job)
