@@ -202,6 +202,14 @@ def _serve(
     cards: Optional[str] = typer.Option(None, "--cards", help="Rate card file or folder (default: shipped)."),
     usd_per_hour: Optional[float] = typer.Option(None, "--usd-per-hour",
                                                  help="This machine's cost, for a self-hosted card."),
+    spend_alarm_usd: Optional[float] = typer.Option(None, "--spend-alarm-usd",
+                                                    help="Server spend alarm: raised (logged, counted in /metrics) "
+                                                         "while all tenants' spend in the trailing "
+                                                         "--spend-alarm-window exceeds this (per tenant: tokenmill "
+                                                         "keys add --alarm-usd)."),
+    spend_alarm_window: float = typer.Option(3600.0, "--spend-alarm-window", help="Seconds."),
+    spend_alarm_block: bool = typer.Option(False, "--spend-alarm-block",
+                                           help="Refuse every request (429) while the server's alarm is raised."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir",
                                            help="Where Batch API files and batches are kept (default: "
                                                 "~/.local/share/tokenmill/server-PORT)."),
@@ -272,7 +280,7 @@ def _serve(
     """Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."""
     import logging
 
-    from tokenmill.cost import CardError, load_cards, with_machine
+    from tokenmill.cost import CardError, SpendAlarm, load_cards, with_machine
     from tokenmill.engine.factory import ENGINE_MODES, make_engine
     from tokenmill.model.config import ModelLoadError
     from tokenmill.server.app import ServerConfig, ServicePolicy, build_app
@@ -325,6 +333,8 @@ def _serve(
             card = with_machine(card, usd_per_hour=usd_per_hour)
         defaults = TenantLimits(max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
                                 max_work_tokens=max_work_tokens)
+        server_alarm = None if spend_alarm_usd is None else SpendAlarm(spend_alarm_usd, spend_alarm_window,
+                                                                       spend_alarm_block)
     except (CardError, ValueError) as exc:
         _fail(str(exc))
     from tokenmill.batch.runner import BatchLimits
@@ -339,7 +349,7 @@ def _serve(
             _fail(f"{exc} (pass another --data-dir, or --no-batch-api)")
         if batch_inflight < 1 or batch_max_lines < 1 or batch_max_file_mb <= 0:
             _fail("--batch-inflight, --batch-max-lines and --batch-max-file-mb must be positive")
-    policy = ServicePolicy(keys=keys, defaults=defaults, card=card, batch_store=batch_store,
+    policy = ServicePolicy(keys=keys, defaults=defaults, card=card, batch_store=batch_store, server_alarm=server_alarm,
                            batch=BatchLimits(max_inflight=batch_inflight, max_lines=batch_max_lines,
                                              max_file_bytes=int(batch_max_file_mb * 1e6)),
                            admission=AdmissionConfig(max_waiting_interactive=max_waiting,
