@@ -130,30 +130,32 @@ def markdown(results: dict[str, Any], plot: Optional[str]) -> str:
 
 
 def write_plot(results: dict[str, Any], path: Path) -> Path:
-    """Success rate (with its interval) and cost per successful task, per configuration."""
+    """Success rate (with its interval) and each cost per successful task, per configuration."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     configs = results["configs"]
     labels = [s["label"] for s in configs]
     x = list(range(len(configs)))
-    fig = Figure(figsize=(max(6, 2.2 * len(configs) + 4), 4))
+    costs = [(key, title, color) for key, title, color in
+             (("card_usd_per_success", "rate card USD\nper successful task", "#dd8452"),
+              ("machine_usd_per_success", "machine-time USD\nper successful task", "#55a868"))
+             if any(s[key] is not None for s in configs)]
+    fig = Figure(figsize=(3.2 * (1 + len(costs)) + 0.6 * len(configs), 4))
     FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(1, 2)
+    axes = fig.subplots(1, 1 + len(costs), squeeze=False)[0]
     rates = [s["success_rate"] for s in configs]
     err = [[r - s["success_ci95"][0] for r, s in zip(rates, configs)],
            [s["success_ci95"][1] - r for r, s in zip(rates, configs)]]
-    ax1.bar(x, rates, yerr=err, capsize=6, color="#4c72b0")
-    ax1.set(title="success rate (95% Wilson CI)", ylim=(0, 1), xticks=x)
-    ax1.set_xticklabels(labels, rotation=20, ha="right")
-    width = 0.38
-    for offset, key, name, color in ((-width / 2, "card_usd_per_success", "rate card", "#dd8452"),
-                                     (width / 2, "machine_usd_per_success", "machine time", "#55a868")):
-        vals = [s[key] if s[key] is not None else 0.0 for s in configs]
-        ax2.bar([i + offset for i in x], vals, width, label=name, color=color)
-    ax2.set(title="USD per successful task (0: none succeeded or no price)", xticks=x)
-    ax2.set_xticklabels(labels, rotation=20, ha="right")
-    ax2.legend()
+    axes[0].bar(x, rates, yerr=err, capsize=6, color="#4c72b0")
+    axes[0].set(title="success rate\n(95% Wilson interval)", ylim=(0, 1))
+    for ax, (key, title, color) in zip(axes[1:], costs):
+        vals = [s[key] if s[key] is not None else 0.0 for s in configs]  # 0: nothing succeeded
+        ax.bar(x, vals, color=color)
+        ax.set(title=title)
+    for ax in axes:
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, rotation=20, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

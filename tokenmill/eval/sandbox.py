@@ -135,7 +135,8 @@ class Sandbox:
             lim = self.limits
             groups = cgroups.make(lim.processes + 2,
                                   (lim.memory_mb + lim.disk_mb + LAUNCHER_MEMORY_MB) << 20)
-            job = {"work": os.path.join(top, "work"), "python_prefix": prefix, "python_exe": exe, "uid": self.uid, "gid": self.gid,
+            job = {"work": os.path.join(top, "work"), "python_prefix": prefix, "python_exe": exe,
+                   "uid": self.uid, "gid": self.gid,
                    "limits": asdict(lim), "cgroups": groups, "nonce": secrets.token_hex(16),
                    "answer": answer, "tests": tests}
             return self._launch(job)
