@@ -113,6 +113,7 @@ ALLOWED = {
     "cluster": SEAM | {"tokenmill.engine.factory", "tokenmill.engine.front"},
     "cli": SEAM | {"tokenmill.engine.factory", "tokenmill.engine.llm"},  # generate --offline runs the LLM
     "bench": set(),  # HTTP only
+    "eval": set(),  # HTTP only
     "cost": set(),
 }
 
@@ -130,10 +131,19 @@ def test_clients_reach_the_engine_only_through_its_seam():
     assert not offenders, offenders
 
 
+def test_eval_reaches_servers_over_http_only():
+    """`tokenmill eval` judges any server, ours or a peer's, the same way: it never loads
+    the model, the engine or the server in-process."""
+    graph = import_graph()
+    offenders = [f"{m} -> {d}" for m, deps in graph.items() if m.startswith("tokenmill.eval")
+                 for d in deps if d.startswith(("tokenmill.engine", "tokenmill.model", "tokenmill.server"))]
+    assert not offenders, offenders
+
+
 def test_nothing_in_the_engine_imports_upward():
     graph = import_graph()
     upward = ("tokenmill.server", "tokenmill.cluster", "tokenmill.batch", "tokenmill.cli", "tokenmill.bench",
-              "tokenmill.cost")
+              "tokenmill.cost", "tokenmill.eval")
     offenders = [f"{m} -> {d}" for m, deps in graph.items()
                  if m.startswith(("tokenmill.engine", "tokenmill.kv", "tokenmill.model"))
                  for d in deps if d.startswith(upward)]

@@ -208,8 +208,11 @@ from tokenmill.bench.cli import bench  # noqa: E402  (HTTP only: no torch import
 from tokenmill.server.keys_cli import keys_app  # noqa: E402
 from tokenmill.batch.cli import batch_app  # noqa: E402  (HTTP only)
 from tokenmill.model.models_cli import models_app  # noqa: E402  (no torch)
+from tokenmill.eval.cli import eval_command  # noqa: E402  (HTTP only)
 
 app.command("bench", help="Load-test any OpenAI-compatible server and report latency, throughput, goodput.")(bench)
+app.command("eval", help="Run a task suite against OpenAI-compatible servers: success rate and cost per "
+                         "successful task.")(eval_command)
 app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, cost self-hosting.")
 app.add_typer(keys_app, name="keys", help="Manage tenants and API keys.")
 app.add_typer(batch_app, name="batch", help="Submit and follow Batch API jobs (OpenAI's /v1/batches).")

@@ -57,6 +57,7 @@ class ServicePolicy:
     card: object | None = None  # tokenmill.cost.RateCard used for usage.cost (None: no pricing)
     batch_store: object | None = None  # tokenmill.batch.store.BatchStore (None: no Batch API)
     batch: BatchLimits = field(default_factory=BatchLimits)
+    server_alarm: object | None = None  # tokenmill.cost.SpendAlarm over all tenants' spend (None: none)
 
 
 LAG_PROBE_S = 0.05  # how often the event loop's lag is sampled
@@ -98,7 +99,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     state = ServerState()
     # a cluster engine (tokenmill.cluster) also reports its replicas and routing
     metrics = Metrics(engine.stats, getattr(engine, "replica_stats", None), getattr(engine, "router_decisions", None))
-    gate = Gate(policy.defaults, engine.stats, metrics, policy.admission)
+    gate = Gate(policy.defaults, engine.stats, metrics, policy.admission, server_alarm=policy.server_alarm)
     pricer = None
     if policy.card is not None:
         from tokenmill.server.pricing import Pricer

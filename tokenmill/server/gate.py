@@ -1,31 +1,35 @@
 """The admission gate: who is asking, may they, and on what terms.
 
 Two phases around tokenization:
-  admit(ctx, ...)          before: request rate, concurrency, spend budget, request
-                           class, queue bounds and the deadline estimate
+  admit(ctx, ...)          before: request rate, concurrency, spend budget, blocking
+                           spend alarms, request class, queue bounds and the deadline
+                           estimate
   admit_tokens(ctx, ...)   after: prompt cap, n cap, output and work caps (max_tokens
                            is clamped, so capped output ends with finish_reason
                            "length"), token rate and work budget reservations
 and one settlement when the request ends (`ctx.finish(usage)`): reserved output
-tokens not used are given back, spend is recorded.
+tokens not used are given back, spend is recorded (against the tenant's budget and
+the tenant's and the server's spend alarms, which log and count when they rise).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenmill.cost import Ledger, SpendBudget
+from tokenmill.cost import AlarmBoard, AlarmState, Ledger, SpendAlarm, SpendBudget
 from tokenmill.engine.api import EngineStats, Priority, SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.keys import Tenant, TenantLimits
 from tokenmill.server.limits import TokenBucket, format_duration, request_burst, retry_after_header
 from tokenmill.server.metrics import Metrics
 
+log = logging.getLogger("tokenmill.server")
 CLASS_PRIORITY = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 
 
@@ -62,14 +66,23 @@ class Reservation:
 
 
 class TenantLedger(Ledger):
-    """Spend per tenant against the budget in that tenant's current limits."""
+    """Spend per tenant against the budget in that tenant's current limits; each spend is
+    also handed to `on_spend` (the spend alarms)."""
 
-    def __init__(self, budget_for: Callable[[str], SpendBudget | None]):
+    def __init__(self, budget_for: Callable[[str], SpendBudget | None],
+                 on_spend: Callable[[str, object], None] | None = None):
         super().__init__()
         self._lookup = budget_for
+        self._on_spend = on_spend
 
     def budget_for(self, tenant: str) -> SpendBudget | None:
         return self._lookup(tenant)
+
+    def record(self, tenant: str, usd) -> object:
+        total = super().record(tenant, usd)
+        if self._on_spend is not None:
+            self._on_spend(tenant, usd)
+        return total
 
 
 def merge_limits(own: TenantLimits, defaults: TenantLimits) -> TenantLimits:
@@ -81,12 +94,15 @@ def merge_limits(own: TenantLimits, defaults: TenantLimits) -> TenantLimits:
 
 class Gate:
     def __init__(self, defaults: TenantLimits, stats: Callable[[], EngineStats], metrics: Metrics,
-                 admission: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic):
+                 admission: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 server_alarm: SpendAlarm | None = None):
         self.defaults = defaults
         self.stats = stats
         self.metrics = metrics
         self.admission = admission or AdmissionConfig()
-        self.ledger = TenantLedger(self._budget_for)
+        self.ledger = TenantLedger(self._budget_for, self._on_spend)
+        self.server_alarm = server_alarm
+        self.alarms = AlarmBoard(clock)
         self.clock = clock
         self._states: dict[str, TenantState] = {}
         self._lock = threading.Lock()
@@ -99,6 +115,45 @@ class Gate:
         if lim.spend_budget_usd is None:
             return None
         return SpendBudget(lim.spend_budget_usd, lim.spend_period_s)
+
+    # -- spend alarms ---------------------------------------------------------------------
+    def _tenant_alarm(self, name: str) -> SpendAlarm | None:
+        st = self._states.get(name)
+        lim = st.tenant.limits if st is not None else self.defaults
+        if lim.spend_alarm_usd is None:
+            return None
+        return SpendAlarm(lim.spend_alarm_usd, lim.spend_alarm_window_s, lim.spend_alarm_block)
+
+    def _alarm_scopes(self, tenant: str) -> tuple[tuple[str, SpendAlarm | None], ...]:
+        return (f"tenant:{tenant}", self._tenant_alarm(tenant)), ("server", self.server_alarm)
+
+    def _on_spend(self, tenant: str, usd) -> None:
+        for scope, alarm in self._alarm_scopes(tenant):
+            self._note(self.alarms.observe(scope, alarm, usd))
+
+    def _note(self, state: AlarmState | None) -> AlarmState | None:
+        """Metrics for an observed alarm; a log line when it rose or cleared."""
+        if state is None:
+            return None
+        m = self.metrics
+        m.alarm_window_usd.labels(scope=state.scope).set(float(state.spent_usd))
+        m.alarm_active.labels(scope=state.scope).set(1 if state.raised else 0)
+        if state.change == "raised":
+            m.alarm_raised.labels(scope=state.scope).inc()
+            log.warning("%s%s", state.message(), "; refusing new requests until it clears" if state.alarm.block
+                        else "")
+        elif state.change == "cleared":
+            log.info("spend alarm for %s cleared: $%s in the last %gs (limit $%s)", state.scope,
+                     format(state.spent_usd, "f"), state.alarm.window_s, format(state.alarm.limit_usd, "f"))
+        return state
+
+    def _check_alarms(self, st: TenantState, tenant: str) -> None:
+        for scope, alarm in self._alarm_scopes(tenant):
+            state = self._note(self.alarms.observe(scope, alarm))
+            if state is not None and state.raised and state.alarm.block:
+                self.metrics.alarm_refusals.labels(scope=scope).inc()
+                raise self._429(st, state.message() + "; new requests are refused until it clears",
+                                "spend_alarm", state.retry_after_s)
 
     def state(self, tenant: Tenant) -> TenantState:
         with self._lock:
@@ -126,6 +181,10 @@ class Gate:
         out["spend"] = {"spent_usd": float(self.ledger.spent(tenant.name)),
                         "budget_usd": lim.spend_budget_usd, "period_s": lim.spend_period_s,
                         "remaining_usd": None if remaining is None else float(remaining)}
+        alarm = self._note(self.alarms.observe(f"tenant:{tenant.name}", self._tenant_alarm(tenant.name)))
+        out["spend_alarm"] = None if alarm is None else {
+            "spent_usd": float(alarm.spent_usd), "limit_usd": float(alarm.alarm.limit_usd),
+            "window_s": alarm.alarm.window_s, "raised": alarm.raised, "block": alarm.alarm.block}
         return out
 
     # -- phase 1 --------------------------------------------------------------------------
@@ -142,6 +201,7 @@ class Gate:
         refusal = self.ledger.check(tenant.name)
         if refusal is not None:
             raise self._429(st, refusal.message(), "spend_budget_exceeded", refusal.retry_after_s)
+        self._check_alarms(st, tenant.name)
         if lim.max_concurrency is not None and st.inflight >= lim.max_concurrency:
             raise self._429(st, f"too many concurrent requests (limit {lim.max_concurrency})",
                             "concurrency_limit_exceeded", 1.0)
@@ -170,6 +230,7 @@ class Gate:
         refusal = self.ledger.check(tenant.name)
         if refusal is not None:
             raise self._429(st, refusal.message(), "spend_budget_exceeded", refusal.retry_after_s)
+        self._check_alarms(st, tenant.name)
 
     def _check_queue(self, priority: int, timeout_s: float | None) -> None:
         s = self.stats()

@@ -29,6 +29,9 @@ class TenantLimits:
     work_window_s: float = 3600.0
     spend_budget_usd: float | None = None
     spend_period_s: float = 86400.0
+    spend_alarm_usd: float | None = None  # alarm when spend in the trailing window exceeds this
+    spend_alarm_window_s: float = 3600.0
+    spend_alarm_block: bool = False  # refuse new requests while the alarm is raised
     default_class: str = "interactive"
     allowed_classes: tuple[str, ...] = CLASSES
 

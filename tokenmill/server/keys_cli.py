@@ -28,6 +28,11 @@ def add(
     work_window: float = typer.Option(3600.0, "--work-window", help="Seconds."),
     budget_usd: Optional[float] = typer.Option(None, "--budget-usd", help="Spend per --budget-period."),
     budget_period: float = typer.Option(86400.0, "--budget-period", help="Seconds."),
+    alarm_usd: Optional[float] = typer.Option(None, "--alarm-usd",
+                                              help="Spend alarm: raised (logged, counted in /metrics) while spend "
+                                                   "in the trailing --alarm-window exceeds this."),
+    alarm_window: float = typer.Option(3600.0, "--alarm-window", help="Seconds."),
+    alarm_block: bool = typer.Option(False, "--alarm-block", help="Refuse requests (429) while the alarm is raised."),
     default_class: str = typer.Option("interactive", "--class", help="Default request class: interactive|batch."),
     allow_batch: bool = typer.Option(True, "--allow-batch/--no-batch"),
     allow_interactive: bool = typer.Option(True, "--allow-interactive/--batch-only"),
@@ -41,12 +46,14 @@ def add(
 
     allowed = tuple(c for c, ok in (("interactive", allow_interactive), ("batch", allow_batch)) if ok)
     given = any(v is not None for v in (rpm, tpm, max_concurrency, max_prompt_tokens, max_output_tokens, max_n,
-                                        max_work_tokens, work_budget, budget_usd))
+                                        max_work_tokens, work_budget, budget_usd, alarm_usd))
     try:
         limits = TenantLimits(rpm=rpm, tpm=tpm, max_concurrency=max_concurrency, max_prompt_tokens=max_prompt_tokens,
                               max_output_tokens=max_output_tokens, max_n=max_n, max_work_tokens=max_work_tokens,
                               work_budget_tokens=work_budget, work_window_s=work_window,
                               spend_budget_usd=budget_usd, spend_period_s=budget_period,
+                              spend_alarm_usd=alarm_usd, spend_alarm_window_s=alarm_window,
+                              spend_alarm_block=alarm_block,
                               default_class=default_class, allowed_classes=allowed)
         store = KeyStore(db)
         existing = store.tenant(tenant)

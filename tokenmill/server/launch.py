@@ -153,7 +153,15 @@ def _policy(options: ServeOptions) -> ServicePolicy:
             batch_store = BatchStore(o.data_dir or default_data_dir(o.port))
         except (StoreLocked, OSError) as exc:
             raise OptionError(f"{exc} (pass another --data-dir, or --no-batch-api)") from None
-    return ServicePolicy(keys=keys, defaults=defaults, card=card, batch_store=batch_store,
+    alarm = None
+    if o.spend_alarm_usd is not None:
+        from tokenmill.cost.alarms import SpendAlarm
+
+        try:
+            alarm = SpendAlarm(o.spend_alarm_usd, o.spend_alarm_window, o.spend_alarm_block)
+        except ValueError as exc:
+            raise OptionError(f"--spend-alarm-usd/--spend-alarm-window: {exc}") from None
+    return ServicePolicy(keys=keys, defaults=defaults, card=card, batch_store=batch_store, server_alarm=alarm,
                          batch=BatchLimits(max_inflight=o.batch_inflight, max_lines=o.batch_max_lines,
                                            max_file_bytes=int(o.batch_max_file_mb * 1e6)),
                          admission=AdmissionConfig(max_waiting_interactive=o.max_waiting,

@@ -150,6 +150,15 @@ class Metrics:
                                  ["status_code"], registry=r)
         self.cost = Counter("tokenmill_cost_usd", "Priced cost of requests in USD.", ["tenant", "model"],
                             registry=r)
+        self.alarm_raised = Counter("tokenmill_spend_alarms", "Times a spend alarm was raised, by scope "
+                                    "(server, or tenant:NAME).", ["scope"], registry=r)
+        self.alarm_active = Gauge("tokenmill_spend_alarm_active", "1 while the scope's spend alarm is raised.",
+                                  ["scope"], registry=r)
+        self.alarm_window_usd = Gauge("tokenmill_spend_alarm_window_usd",
+                                      "Spend in the alarm's trailing window, at the last request of the scope.",
+                                      ["scope"], registry=r)
+        self.alarm_refusals = Counter("tokenmill_spend_alarm_refusals", "Requests refused by a blocking spend "
+                                      "alarm.", ["scope"], registry=r)
         self.cap_hits = Counter("tokenmill_work_cap_hits", "Requests cut or refused by a work cap.",
                                 ["cap"], registry=r)
         self.autotune_knob = Gauge("tokenmill_autotune_knob", "A knob's value as the SLO autotuner set it.",

@@ -110,6 +110,13 @@ class ServeOptions:
     price_card: str = option("tokenmill-default", "--price-card", "Rate card for usage.cost.")
     cards: str | None = option(None, "--cards", "Rate card file or folder (default: shipped).")
     usd_per_hour: float | None = option(None, "--usd-per-hour", "This machine's cost, for a self-hosted card.")
+    spend_alarm_usd: float | None = option(
+        None, "--spend-alarm-usd",
+        "Server spend alarm: raised (logged, counted in /metrics) while all tenants' spend in the trailing "
+        "--spend-alarm-window exceeds this (per tenant: tokenmill keys add --alarm-usd).")
+    spend_alarm_window: float = option(3600.0, "--spend-alarm-window", "Seconds.")
+    spend_alarm_block: bool = option(False, "--spend-alarm-block",
+                                     "Refuse every request (429) while the server's alarm is raised.")
     data_dir: str | None = option(None, "--data-dir", "Where Batch API files and batches are kept (default: "
                                                       "~/.local/share/tokenmill/server-PORT).")
     batch_api: bool = option(True, "--batch-api/--no-batch-api", "Serve /v1/files and /v1/batches.")

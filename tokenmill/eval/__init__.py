@@ -1,0 +1,1 @@
+"""Task evals: run a suite of tasks with automatic checkers against any OpenAI-compatible server."""
