@@ -152,10 +152,13 @@ class Scheduler:
             self.requests[req.request_id] = req
             self.waiting.add(req)
         self.groups.register(reqs)
+        if reqs[0].params.prompt_logprobs is None:
+            self.kv.start_restore(reqs[0])  # a prefix on disk is read back while it waits
 
     # -- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = time.monotonic()
+        self.kv.poll_restores()
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
@@ -210,6 +213,8 @@ class Scheduler:
             for req in self.waiting.iter_fair(per_tenant):
                 if budget <= 0:
                     break
+                if self.kv.restoring(req):
+                    continue  # its prefix is being read from disk; others go meanwhile
                 room = budget
                 if req.priority == Priority.BATCH:
                     if batch_tokens <= 0:

@@ -183,3 +183,14 @@ class EngineStats:
     spec_draft_tokens: int = 0  # speculative drafts checked by the model
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_verifications: int = 0  # request-steps that checked drafts
+    # the prefix cache's disk tier (prefix_hits counts blocks read back from disk too)
+    kv_disk_lookup_tokens: int = 0  # prompt tokens in full blocks memory lacked, looked up on disk
+    kv_disk_hit_tokens: int = 0  # of those, read back from disk
+    kv_disk_read_bytes: int = 0
+    kv_disk_written_bytes: int = 0
+    kv_disk_restores: int = 0  # prefixes read back
+    kv_disk_restore_seconds: float = 0.0  # summed: from the lookup to the blocks being ready
+    kv_disk_used_bytes: int = 0
+    kv_disk_capacity_bytes: int = 0
+    kv_disk_files: int = 0
+    kv_disk_faults: int = 0  # bad files (truncated, corrupt, foreign), failed writes (no space, I/O)
