@@ -112,7 +112,8 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
                   enable_prefix_caching: bool, num_threads: Optional[int], decode_steps: int = 8,
                   kv_cache_dtype: str = "auto", max_n: int = 16, max_body_mb: float = 8.0,
                   batch_share: float = 0.05, batch_step_tokens: int = 16, speculative: str = "off",
-                  num_speculative_tokens: int = 5):
+                  num_speculative_tokens: int = 5, kv_disk_dir: Optional[str] = None, kv_disk_gb: float = 10.0,
+                  kv_disk_write_through: bool = True):
     from tokenmill.engine.api import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                                       SpeculativeConfig)
     from tokenmill.model.registry import resolve
@@ -122,7 +123,9 @@ def engine_config(model: Optional[str], dtype: str, quantization: str, kv_cache_
     return EngineConfig(
         model=ModelOptions(path=model, dtype=dtype, quantization=quantization),
         cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb,
-                          enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
+                          enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                          kv_disk_dir=kv_disk_dir, kv_disk_gb=kv_disk_gb,
+                          kv_disk_write_through=kv_disk_write_through),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_steps=decode_steps, batch_share=batch_share,
                                   batch_step_tokens=batch_step_tokens,
@@ -174,6 +177,16 @@ def _serve(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
                                        help="auto: the model's dtype; int8: K/V rows in int8 with a scale each "
                                             "(half of bf16's bytes, +0.26% perplexity)."),
+    kv_disk_dir: Optional[str] = typer.Option(
+        None, "--kv-disk-dir",
+        help="Keep prefix-cache blocks in files under this directory (one server per directory): a prompt "
+             "whose prefix left memory, or came before a restart, reads it back instead of recomputing it."),
+    kv_disk_gb: float = typer.Option(10.0, "--kv-disk-gb", help="Most GiB of block files in --kv-disk-dir "
+                                                                "(least recently used go first)."),
+    kv_disk_write_through: bool = typer.Option(
+        True, "--kv-disk-write-through/--kv-disk-write-on-evict",
+        help="Write every block to --kv-disk-dir as it is computed (in the background; a restart finds it), "
+             "or only when memory evicts it."),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Most sequences in one step."),
     max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="Token budget per step."),
     decode_steps: int = typer.Option(8, "--decode-steps",
@@ -349,7 +362,8 @@ def _serve(
         config = engine_config(model, dtype, quantization, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                                max_model_len, block_size, prefix_caching, num_threads, decode_steps,
                                kv_cache_dtype, max_n, max_body_mb, batch_share, batch_step_tokens,
-                               speculative, num_speculative_tokens)
+                               speculative, num_speculative_tokens, kv_disk_dir, kv_disk_gb,
+                               kv_disk_write_through)
     except (ValueError, ModelLoadError) as exc:
         _fail(str(exc))
     if engine_mode not in ENGINE_MODES:
