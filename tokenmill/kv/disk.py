@@ -83,6 +83,7 @@ class DiskStore:
         self.files_written = 0
         self.files_evicted = 0
         self.faults: dict[str, int] = {}  # kind -> count (see _fault)
+        self.num_faults = 0
         self._logged: dict[str, float] = {}
         self._scan()
 
@@ -142,10 +143,6 @@ class DiskStore:
     def num_files(self) -> int:
         return len(self._index)
 
-    @property
-    def num_faults(self) -> int:
-        return sum(self.faults.values())
-
     def path(self, key: bytes) -> str:
         h = key.hex()
         return os.path.join(self.blocks_dir, h[:2], h + SUFFIX)
@@ -153,7 +150,9 @@ class DiskStore:
     # -- faults -------------------------------------------------------------------------
     def _fault(self, kind: str, key: bytes, detail: object = "", drop: bool = True) -> bool:
         """Count (and now and then log) a fault; a bad file is deleted. Returns False (a miss)."""
-        self.faults[kind] = self.faults.get(kind, 0) + 1
+        with self._mu:  # (read by the engine thread)
+            self.faults[kind] = self.faults.get(kind, 0) + 1
+            self.num_faults += 1
         now = time.monotonic()
         if now - self._logged.get(kind, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._logged[kind] = now

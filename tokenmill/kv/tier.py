@@ -33,6 +33,7 @@ from tokenmill.kv.disk import DiskStore, identity_digest
 log = logging.getLogger("tokenmill.kv.disk")
 
 MAX_PENDING_BYTES = 256 * 1024 ** 2  # snapshots waiting to be written; beyond this, a save is dropped
+SPARE_BUFFERS = 64  # written snapshots' buffers kept for the next saves
 CLOSE_FLUSH_S = 30.0  # how long close() waits for pending writes
 
 
@@ -125,6 +126,7 @@ class DiskTier:
         self.stats = TierStats()
         self._cv = threading.Condition()
         self._pending: dict[bytes, tuple[tuple[int, ...], np.ndarray]] = {}  # saved, not yet written
+        self._spare: list[np.ndarray] = []  # snapshot buffers free for reuse
         self._writes: deque[bytes] = deque()
         self._reads: deque[Restore] = deque()
         self._done: list[Restore] = []
@@ -145,7 +147,8 @@ class DiskTier:
         if len(self._pending) * self.nbytes >= self.max_pending_bytes:
             self.stats.dropped_saves += 1
             return
-        snap = np.empty(self.nbytes, dtype=np.uint8)
+        # a written snapshot's buffer again: a fresh one's first touch (page faults) cost 10x the copy
+        snap = self._spare.pop() if self._spare else np.empty(self.nbytes, dtype=np.uint8)
         self.cache.read_block(block_id, snap)
         with self._cv:
             self._pending[key] = (token_ids, snap)
@@ -249,3 +252,5 @@ class DiskTier:
         self.store.write(key, toks, snap)
         with self._cv:
             del self._pending[key]
+            if len(self._spare) < SPARE_BUFFERS:
+                self._spare.append(snap)

@@ -1,0 +1,97 @@
+"""What the prefix cache's disk tier saves: TTFT of a returning long prompt whose blocks
+left memory (evicted by other prompts) and after a restart, read back from disk, against
+recomputing it cold. Files are read from the OS page cache where it still holds them
+(a machine's first read after a reboot comes from the device).
+
+    python benchmarks/kv_disk.py [--config serve] [--prompt-tokens 2500] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from common import CONFIGS, eval_ids  # noqa: E402
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from tokenmill.engine.api import SamplingParams  # noqa: E402
+from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
+from tokenmill.model.loader import load_model  # noqa: E402
+
+ONE = SamplingParams(max_tokens=1, temperature=0)
+PRECISIONS = dict(CONFIGS, serve=("bfloat16", "auto"))  # serve: what `tokenmill serve` runs by default
+
+
+def ttft(engine: LLMEngine, prompt: list[int], rid: str) -> tuple[float, int]:
+    engine.add_request(rid, prompt, ONE)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                return out.times.first_token - out.times.arrival, out.num_cached_tokens
+    raise AssertionError("no output")
+
+
+def engine(loaded, root: str | None, prompt_tokens: int) -> LLMEngine:
+    # a pool of one prompt and a little: the next prompt evicts the last one's blocks
+    blocks = prompt_tokens // 16 + 8
+    cache = CacheConfig(num_blocks=blocks, kv_disk_dir=root, kv_disk_gb=4.0)
+    return LLMEngine(loaded, EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=512)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="serve", choices=sorted(PRECISIONS))
+    ap.add_argument("--prompt-tokens", type=int, default=2500)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    dtype, quant = PRECISIONS[args.config]
+    loaded = load_model(None, dtype, quant)
+    ids = eval_ids(loaded.tokenizer)
+    while len(ids) < args.prompt_tokens * (2 * args.repeat + 2):
+        ids = ids + list(reversed(ids))
+    n = args.prompt_tokens
+    prompts = [ids[i * n:(i + 1) * n] for i in range(2 * args.repeat + 1)]
+    root = tempfile.mkdtemp(prefix="tokenmill-kvdisk-")
+
+    e = engine(loaded, root, n)
+    ttft(e, ids[-64:], "warm-up")
+    cold, evicted, restarted, restore = [], [], [], []
+    for i in range(args.repeat):
+        p, other = prompts[2 * i], prompts[2 * i + 1]
+        t, c = ttft(e, p, f"cold{i}")
+        assert c == 0, c
+        cold.append(t)
+        ttft(e, other, f"other{i}")  # its blocks push p's out of memory
+        before = e.stats()
+        t, c = ttft(e, p, f"back{i}")
+        after = e.stats()
+        assert after.kv_disk_hit_tokens - before.kv_disk_hit_tokens > 0.9 * n, (c, after)  # not memory
+        evicted.append(t)
+        restore.append(after.kv_disk_restore_seconds - before.kv_disk_restore_seconds)
+    e.close()
+    hit = []
+    for i in range(args.repeat):
+        e = engine(loaded, root, n)  # a restart: a fresh engine on the directory
+        ttft(e, ids[-64:], "warm-up")
+        t, c = ttft(e, prompts[2 * i], f"restart{i}")
+        restarted.append(t)
+        hit.append(c)
+        e.close()
+    used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    med = statistics.median
+    print(f"{args.config}, {n}-token prompt, median of {args.repeat} (TTFT, seconds):")
+    print(f"  cold recompute               {med(cold):8.3f}")
+    print(f"  evicted, read back from disk {med(evicted):8.3f}  ({med(cold) / med(evicted):.1f}x; "
+          f"restore {med(restore) * 1000:.0f} ms)")
+    print(f"  after a restart, from disk   {med(restarted):8.3f}  ({med(cold) / med(restarted):.1f}x; "
+          f"{min(hit)} tokens cached)")
+    print(f"  disk: {used / 2 ** 20:.0f} MiB for {len(prompts)} prompts in {root}")
+
+
+if __name__ == "__main__":
+    main()
