@@ -140,6 +140,9 @@ class CacheConfig:
     kv_disk_dir: str | None = None
     kv_disk_gb: float = 10.0
     kv_disk_write_through: bool = True
+    # cache_control breakpoints (kept cached for their TTL): the share of the pool one
+    # tenant may pin (all tenants together: at most half)
+    pin_share_per_tenant: float = 0.25
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -148,6 +151,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if not 0.0 <= self.pin_share_per_tenant <= 0.5:
+            raise ValueError(f"pin_share_per_tenant must be in [0, 0.5], got {self.pin_share_per_tenant}")
         if self.kv_disk_gb <= 0:
             raise ValueError(f"kv_disk_gb must be positive, got {self.kv_disk_gb}")
         if self.kv_disk_dir is not None and not self.enable_prefix_caching:

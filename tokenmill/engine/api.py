@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
-from tokenmill.engine.types import (GREEDY_BELOW, AdmissionError, Choice, EngineDeadError, EngineStats,
-                                    InvalidParameter, Priority, RequestOutput, RequestTimes, SamplingParams,
-                                    StructuredOutput, TokenLogprob)
+from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, AdmissionError, CachePin, Choice,
+                                    EngineDeadError, EngineStats, InvalidParameter, Priority, RequestOutput,
+                                    RequestTimes, SamplingParams, StructuredOutput, TokenLogprob)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.tokenizer import Tokenizer
 
 __all__ = [
-    "AdmissionError", "CacheConfig", "Choice", "EngineClient", "EngineConfig", "EngineDeadError",
+    "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EngineClient", "EngineConfig", "EngineDeadError",
     "EngineStats", "GREEDY_BELOW", "InvalidParameter", "ModelOptions", "Priority", "RequestBounds",
     "RequestLimits", "RequestOutput", "RequestTimes", "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
     "StructuredOutput", "TokenLogprob", "TUNABLE", "check_knobs",
@@ -66,6 +66,10 @@ class RequestLimits:
         for ids in prompts:
             self.check_token_ids(ids)
             longest = max(longest, len(ids))
+        for pin in params.cache_pins:
+            if pin.num_tokens > min(len(ids) for ids in prompts):
+                raise InvalidParameter("cache_control", f"a cache_control breakpoint at token {pin.num_tokens} "
+                                                        "is past the end of the prompt")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - longest
@@ -154,6 +158,14 @@ class RequestLimits:
                       f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {t!r}")
                 check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                       and -100.0 <= v <= 100.0, "logit_bias", f"logit_bias values must be in [-100, 100], got {v!r}")
+        pins = p.cache_pins
+        check(len(pins) <= MAX_CACHE_PINS, "cache_control",
+              f"at most {MAX_CACHE_PINS} cache_control breakpoints per request, got {len(pins)}")
+        for pin in pins:
+            check(isinstance(pin, CachePin) and pin.ttl_s in CACHE_TTLS.values(), "cache_control",
+                  f"a cache_control ttl must be one of {', '.join(CACHE_TTLS)}")
+            check(isinstance(pin.num_tokens, int) and pin.num_tokens >= 1, "cache_control",
+                  "a cache_control breakpoint must follow at least one prompt token")
         if p.structured is not None:
             from tokenmill.engine.structured.grammar import validate  # llguidance, no torch
 

@@ -63,7 +63,8 @@ class LLMEngine:
         if cc.kv_disk_dir:  # its files are bound to the kernels that computed them, and the attention path
             kernels = f"{getattr(native_ops(), '__name__', 'none')}/{'native' if config.native_attention else 'torch'}"
             tier = open_disk_tier(cc, loaded, self.kv_cache, kernels)
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, tier)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, tier,
+                                 cc.pin_share_per_tenant)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
         self.grammar = GrammarMatchers(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.grammar)

@@ -158,7 +158,7 @@ class Scheduler:
     # -- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = time.monotonic()
-        self.kv.poll_restores()
+        self.kv.tick(now)
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
@@ -406,7 +406,8 @@ class Scheduler:
             if not sr.sample:
                 self.kv.cache_blocks(req)
                 continue
-            if req.times.first_token is None:
+            first = req.times.first_token is None
+            if first:
                 req.times.first_token = now
             produced.append(req)
             if self.spec is not None:
@@ -425,6 +426,8 @@ class Scheduler:
                 if status is not None:
                     break
             self.kv.cache_blocks(req)
+            if first and req.params.cache_pins:  # the prompt is computed: keep what it marked
+                req.cache_write_tokens = self.kv.pin_prefix(req, req.params.cache_pins, now)
             if status is not None:
                 self.finish(req.request_id, status)
         return produced

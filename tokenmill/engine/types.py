@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
-    "AdmissionError", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "InvalidParameter", "Priority",
+    "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "InvalidParameter", "Priority",
     "RequestOutput", "RequestTimes", "SamplingParams", "StructuredOutput", "TokenLogprob",
 ]
 
@@ -59,6 +59,20 @@ class StructuredOutput:
     value: Any = None
 
 
+# Prompt-cache TTLs a client may ask for (Anthropic's cache_control "ttl"), in seconds
+CACHE_TTLS = {"5m": 300, "1h": 3600}
+MAX_CACHE_PINS = 4  # breakpoints per request, as Anthropic allows
+
+
+@dataclass(frozen=True)
+class CachePin:
+    """Keep the prompt's first `num_tokens` tokens cached for `ttl_s` seconds from this
+    request's use of them (a cache_control breakpoint): their full blocks stay in memory
+    against eviction until then, within the tenant's share of the pool."""
+    num_tokens: int
+    ttl_s: int
+
+
 @dataclass
 class SamplingParams:
     """How one request wants its tokens chosen and when it wants to stop. Value ranges
@@ -85,6 +99,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured: StructuredOutput | None = None  # output constrained by a grammar (None: free text)
     speculative: bool = True  # False: no speculative drafts for this request (the output is the same)
+    cache_pins: tuple[CachePin, ...] = ()  # prompt prefixes to keep cached (cache_control)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +155,9 @@ class RequestOutput:
     # many it accepted (the output is the same either way)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # prompt tokens this request wrote to the cache under its cache pins, by TTL in seconds
+    # (tokens it read from the cache are num_cached_tokens)
+    cache_write_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

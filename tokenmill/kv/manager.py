@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.kv.block_pool import Block, BlockPool
+from tokenmill.kv.pins import PinTable
 
 if TYPE_CHECKING:
     from tokenmill.kv.tier import DiskTier, Restore
@@ -32,6 +33,7 @@ class CacheableRequest(Protocol):
     num_computed_tokens: int
     tenant: str | None
     cache_salt: str | None
+    num_cached_tokens: int
 
     @property
     def num_tokens(self) -> int: ...
@@ -67,7 +69,7 @@ def block_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 tier: DiskTier | None = None):
+                 tier: DiskTier | None = None, pin_share_per_tenant: float = 0.25):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.tier = tier if enable_caching else None  # the disk tier under the prefix cache
@@ -77,6 +79,7 @@ class KVCacheManager:
         # the model snapshot's identity, the root of every chain (disk files outlive the model)
         self.model_key = self.tier.key if self.tier is not None else b""
         self._restores: dict[str, Restore] = {}  # request id -> its prefix being read from disk
+        self.pins = PinTable(self.pool, pin_share_per_tenant)  # cache_control breakpoints' TTLs
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[Hashable]] = {}
         self._num_published: dict[str, int] = {}
@@ -204,6 +207,37 @@ class KVCacheManager:
     def num_restoring(self) -> int:
         return len(self._restores)
 
+    def tick(self, now: float) -> None:
+        """Once a step: finished disk reads published, expired pins released."""
+        self.poll_restores()
+        self.pins.expire(now)
+
+    # -- pins (cache_control) ---------------------------------------------------------------
+    def pin_prefix(self, req: CacheableRequest, pins, now: float) -> dict[int, int]:
+        """Pin the full blocks each of `pins` (engine.types.CachePin) covers, now that the
+        request's prompt is computed and published. Returns the prompt tokens written to
+        the cache under a pin, by TTL: blocks newly pinned that this request computed
+        (blocks it read from the cache, or pinned already, are reads)."""
+        if not self.enable_caching or not pins:
+            return {}
+        bs = self.block_size
+        k_max = min(max(p.num_tokens for p in pins), req.num_computed_tokens) // bs
+        blocks: list[tuple[bytes, int]] = []
+        for i, h in enumerate(self._chain(req, k_max)):
+            bid = self.pool.lookup(h, self._block_tokens(req, i))  # (the published copy)
+            if bid is None:
+                break
+            blocks.append((h, bid))
+        read = req.num_cached_tokens // bs
+        writes: dict[int, int] = {}
+        # the longest TTL first: a block two breakpoints cover is written once, at the longer
+        for pin in sorted(pins, key=lambda p: -p.ttl_s):
+            new = self.pins.pin(req.tenant, blocks[:pin.num_tokens // bs], pin.ttl_s, now)
+            n = sum(1 for i, is_new in enumerate(new) if is_new and i >= read)
+            if n:
+                writes[pin.ttl_s] = writes.get(pin.ttl_s, 0) + n * bs
+        return writes
+
     def poll_restores(self, timeout: float = 0.0) -> None:
         """Publish the blocks of finished restores in the prefix cache (the waiting request
         then hits them), waiting up to `timeout` seconds for one when none has finished."""
@@ -233,7 +267,11 @@ class KVCacheManager:
         n_new = max(0, self.blocks_needed(total_tokens) - len(blocks) - len(computed_blocks))
         # Hits that sit on the free list leave it when touched, so they count against room.
         n_revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
-        if n_new + n_revived > self.pool.num_free_blocks:
+        short = n_new + n_revived - self.pool.num_free_blocks
+        if short > 0 and len(self.pins) and not any(self._blocks.get(r) for r in self._blocks if r != rid):
+            self.pins.release(short)  # no one else holds blocks to free: pins must not block it for good
+            short = n_new + n_revived - self.pool.num_free_blocks
+        if short > 0:
             return None
         if computed_blocks:
             self.pool.touch(computed_blocks)
@@ -269,7 +307,7 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs = [0] * self.pool.num_blocks
-        held = [r.pinned + r.block_ids for r in self._restores.values()]
+        held = [r.pinned + r.block_ids for r in self._restores.values()] + [self.pins.pinned_blocks()]
         for blocks in [*self._blocks.values(), *held]:
             for b in blocks:
                 refs[b] += 1
