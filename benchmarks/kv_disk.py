@@ -43,6 +43,47 @@ def engine(loaded, root: str | None, prompt_tokens: int) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=512)))
 
 
+def decode_rate(loaded, root: str | None, prompt: list[int], tokens: int) -> float:
+    """Single-stream greedy decode, tokens/s (with a tier: every block written as it fills)."""
+    cache = CacheConfig(kv_cache_gb=0.5, kv_disk_dir=root, kv_disk_gb=4.0)
+    e = LLMEngine(loaded, EngineConfig(cache=cache))
+    ttft(e, prompt[:32], "warm-up")
+    e.add_request("d", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    first = last = None
+    while e.has_unfinished():
+        for out in e.step():
+            last = time.perf_counter()
+            first = first or last
+    e.close()
+    return (tokens - 1) / (last - first)
+
+
+def streams_during_restore(loaded, root: str, prompt: list[int], n: int) -> tuple[float, float]:
+    """A stream decodes while a returning prompt's prefix is read from disk: the stream's
+    median inter-token gap (ms) before, and its longest gap while the read is in flight."""
+    e = engine(loaded, root, n)
+    ttft(e, prompt, "first")
+    ttft(e, prompt[::-1], "evict")  # (its blocks push the first prompt's out)
+    e.add_request("stream", prompt[:64], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    times, during, added = [], [], False
+    while e.has_unfinished():
+        outs = e.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.request_id == "stream" and out.new_token_ids:
+                times.append(now)
+                if added and e.kv.num_restoring:
+                    during.append(now)
+        if len(times) == 100 and not added:
+            e.add_request("back", prompt, ONE)  # a memory miss, its blocks on disk
+            added = True
+    e.close()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    before = statistics.median(gaps[:99])
+    worst = max((b - a for a, b in zip(times, times[1:]) if b in during), default=0.0)
+    return before * 1000, worst * 1000
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="serve", choices=sorted(PRECISIONS))
@@ -91,6 +132,14 @@ def main() -> None:
     print(f"  after a restart, from disk   {med(restarted):8.3f}  ({med(cold) / med(restarted):.1f}x; "
           f"{min(hit)} tokens cached)")
     print(f"  disk: {used / 2 ** 20:.0f} MiB for {len(prompts)} prompts in {root}")
+    before, worst = streams_during_restore(loaded, tempfile.mkdtemp(prefix="tokenmill-kvdisk-"), prompts[0], n)
+    print(f"  a decoding stream's gaps: median {before:.1f} ms before, longest {worst:.1f} ms during the read")
+    off, on = [], []
+    for _ in range(args.repeat):  # interleaved, so drift in the machine's speed hits both alike
+        off.append(decode_rate(loaded, None, prompts[1], 256))
+        on.append(decode_rate(loaded, tempfile.mkdtemp(prefix="tokenmill-kvdisk-"), prompts[1], 256))
+    print(f"  single-stream decode, 256 tokens: {med(off):.1f} tok/s without the tier, {med(on):.1f} with "
+          f"write-through ({(1 - med(on) / med(off)) * 100:+.1f}% slower)")
 
 
 if __name__ == "__main__":

@@ -59,10 +59,10 @@ def run(engine, ids, params=GREEDY, rid="r", **kwargs):
     return toks, lps, cached
 
 
-def cold(loaded, ids=PROMPT):
+def cold(loaded, ids=PROMPT, **kw):
     """The reference: no cache anywhere; the prompt computed in chunks of PREFIX tokens, as a
     restored prefix is (its first PREFIX tokens, then the rest over them)."""
-    return run(disk_engine(loaded, None), ids)
+    return run(disk_engine(loaded, None, **kw), ids)
 
 
 def assert_same_answer(got, ref):
@@ -77,19 +77,20 @@ def block_files(root):
     return sorted(Path(root, "blocks").glob("*/*.kv"))
 
 
-def write_prompt(loaded, root, ids=PROMPT, **kwargs):
-    e = disk_engine(loaded, root)
+def write_prompt(loaded, root, ids=PROMPT, kv_cache_dtype="auto", **kwargs):
+    e = disk_engine(loaded, root, kv_cache_dtype=kv_cache_dtype)
     out = run(e, ids, **kwargs)
     e.close()
     return out
 
 
-def test_restored_prefix_gives_the_cold_runs_logits_bit_for_bit(tiny, tmp_path):
-    first = write_prompt(tiny, tmp_path)
+@pytest.mark.parametrize("kv", ["auto", "int8"])  # int8: rows and their scales
+def test_restored_prefix_gives_the_cold_runs_logits_bit_for_bit(tiny, tmp_path, kv):
+    first = write_prompt(tiny, tmp_path, kv_cache_dtype=kv)
     assert first[2] == 0
-    e = disk_engine(tiny, tmp_path)  # a restart: a fresh engine on the same directory
+    e = disk_engine(tiny, tmp_path, kv_cache_dtype=kv)  # a restart: a fresh engine on the same directory
     toks, lps, cached = run(e, PROMPT)
-    ref = cold(tiny)
+    ref = cold(tiny, kv_cache_dtype=kv)
     assert cached == PREFIX  # every full block of the prompt (one token is always computed)
     assert (toks, lps) == ref[:2] == first[:2]  # floats compared exactly
     st = e.stats()
@@ -97,7 +98,7 @@ def test_restored_prefix_gives_the_cold_runs_logits_bit_for_bit(tiny, tmp_path):
     assert st.prompt_tokens_computed == len(PROMPT) - PREFIX
     assert st.kv_disk_restores == 1 and st.kv_disk_read_bytes > 0 and st.kv_disk_faults == 0
     # the restored bytes are the computed ones: compare with a cold engine's own blocks
-    other = disk_engine(tiny, tmp_path / "other")
+    other = disk_engine(tiny, tmp_path / "other", kv_cache_dtype=kv)
     run(other, PROMPT)
     req_hashes = e.kv._chain(_Probe(PROMPT), PREFIX // 16)
     for h, toks16 in zip(req_hashes, [tuple(PROMPT[i:i + 16]) for i in range(0, PREFIX, 16)]):
@@ -106,6 +107,9 @@ def test_restored_prefix_gives_the_cold_runs_logits_bit_for_bit(tiny, tmp_path):
         ka = e.kv_cache.data[:, :, :, a * 16:(a + 1) * 16]
         kb = other.kv_cache.data[:, :, :, b * 16:(b + 1) * 16]
         assert torch.equal(ka, kb)
+        if kv == "int8":
+            assert torch.equal(e.kv_cache.scales[..., a * 16:(a + 1) * 16],
+                               other.kv_cache.scales[..., b * 16:(b + 1) * 16])
     e.close()
     other.close()
 

@@ -195,5 +195,6 @@ class LLMEngine:
             spec_draft_tokens=spec.draft_tokens if spec else 0,
             spec_accepted_tokens=spec.accepted_tokens if spec else 0,
             spec_verifications=spec.verifications if spec else 0,
+            kv_pinned_blocks=len(self.kv.pins),
             **(self.kv.tier.engine_stats() if self.kv.tier is not None else {}),
         )

@@ -201,6 +201,7 @@ class EngineStats:
     spec_draft_tokens: int = 0  # speculative drafts checked by the model
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_verifications: int = 0  # request-steps that checked drafts
+    kv_pinned_blocks: int = 0  # blocks cache_control breakpoints keep in memory until their TTL
     # the prefix cache's disk tier (prefix_hits counts blocks read back from disk too)
     kv_disk_lookup_tokens: int = 0  # prompt tokens in full blocks memory lacked, looked up on disk
     kv_disk_hit_tokens: int = 0  # of those, read back from disk

@@ -91,6 +91,8 @@ class _EngineCollector:
             ("tokenmill_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("tokenmill_kv_blocks_used", "KV cache blocks held by requests.", s.kv_blocks_used),
             ("tokenmill_kv_blocks_total", "KV cache blocks in the pool.", s.kv_blocks_total),
+            ("tokenmill_kv_pinned_blocks", "KV cache blocks cache_control breakpoints keep until their TTL.",
+             s.kv_pinned_blocks),
             ("tokenmill_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
              s.prefix_queries),
             ("tokenmill_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.", s.prefix_hits),
