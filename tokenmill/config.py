@@ -148,6 +148,16 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # auto: the model's dtype; int8: rows quantized per (token, kv head), half of bf16's bytes
     kv_cache_dtype: str = "auto"
+    # The prefix cache's disk tier (tokenmill/kv/tier.py): full blocks evicted from memory
+    # (and, with write-through, every block as it is computed) kept in files under this
+    # directory, at most kv_disk_gb of them; a prompt whose prefix memory lacks reads it
+    # back instead of recomputing it, after a restart too. None: memory only.
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float = 10.0
+    kv_disk_write_through: bool = True
+    # cache_control breakpoints (kept cached for their TTL): the share of the pool one
+    # tenant may pin (all tenants together: at most half)
+    pin_share_per_tenant: float = 0.25
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -156,6 +166,12 @@ class CacheConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if not 0.0 <= self.pin_share_per_tenant <= 0.5:
+            raise ValueError(f"pin_share_per_tenant must be in [0, 0.5], got {self.pin_share_per_tenant}")
+        if self.kv_disk_gb <= 0:
+            raise ValueError(f"kv_disk_gb must be positive, got {self.kv_disk_gb}")
+        if self.kv_disk_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("the KV disk tier keeps prefix-cache blocks: it needs prefix caching on")
 
 
 def default_num_threads() -> int:

@@ -19,6 +19,7 @@ File shape (TOML; YAML mirrors it)::
     input = 5.00
     cached_input = 0.50                    # cache read
     cache_write = 6.25                     # optional; absent = billed as input
+    cache_write_1h = 10.00                 # optional: a write kept an hour; absent = cache_write
     output = 30.00
     [cards."gpt-5.6-sol".batch]            # optional; absent = no batch price
     input = 2.50                           # either published prices ...
@@ -62,18 +63,21 @@ class CardError(ConfigError):
 @dataclass(frozen=True)
 class Prices:
     """USD per 1M tokens. `input` is uncached prompt tokens; `cache_write` None means
-    tokens written to the cache are billed at the `input` price."""
+    tokens written to the cache are billed at the `input` price; `cache_write_1h` is the
+    price of a write kept an hour (Anthropic's 1h TTL; None: `cache_write`)."""
 
     input: Decimal
     cached_input: Decimal
     output: Decimal
     cache_write: Decimal | None = None
+    cache_write_1h: Decimal | None = None
 
     def scaled(self, input_factor: Decimal, output_factor: Decimal) -> Prices:
         """Input-side prices times `input_factor`, output times `output_factor`."""
         write = None if self.cache_write is None else self.cache_write * input_factor
+        write_1h = None if self.cache_write_1h is None else self.cache_write_1h * input_factor
         return Prices(self.input * input_factor, self.cached_input * input_factor,
-                      self.output * output_factor, write)
+                      self.output * output_factor, write, write_1h)
 
 
 @dataclass(frozen=True)
@@ -262,9 +266,10 @@ def _date(f: Fields, key: str) -> dt.date:
 
 
 def _prices(p: Fields) -> Prices:
-    p.only(("input", "cached_input", "cache_write", "output"))
+    p.only(("input", "cached_input", "cache_write", "cache_write_1h", "output"))
     return Prices(input=p.number("input"), cached_input=p.number("cached_input"),
-                  output=p.number("output"), cache_write=p.optional_number("cache_write"))
+                  output=p.number("output"), cache_write=p.optional_number("cache_write"),
+                  cache_write_1h=p.optional_number("cache_write_1h"))
 
 
 def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
@@ -273,12 +278,12 @@ def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
     b = f.sub("batch")
     if b is None:
         return None, ""
-    b.only(("input", "output", "cached_input", "cache_write", "discount", "assumption"))
+    b.only(("input", "output", "cached_input", "cache_write", "cache_write_1h", "discount", "assumption"))
     assumed = b.data.get("assumption", False)
     if not isinstance(assumed, bool):
         raise b.fail(f"'batch.assumption' must be true or false, got {assumed!r}")
     if b.has("discount"):
-        for key in ("input", "output", "cached_input", "cache_write"):
+        for key in ("input", "output", "cached_input", "cache_write", "cache_write_1h"):
             if b.has(key):
                 raise b.fail(f"give either 'batch.discount' or batch prices, not both (found 'batch.{key}')")
         discount = b.number("discount", max_value=Decimal(1))
@@ -292,8 +297,11 @@ def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
     write = b.optional_number("cache_write")
     if write is None and base.cache_write is not None:
         write = _follow(base.cache_write, batch_in, base)
+    write_1h = b.optional_number("cache_write_1h")
+    if write_1h is None and base.cache_write_1h is not None:
+        write_1h = _follow(base.cache_write_1h, batch_in, base)
     note = "published" + (" (assumption)" if assumed else "")
-    return Prices(batch_in, cached, batch_out, write), note
+    return Prices(batch_in, cached, batch_out, write, write_1h), note
 
 
 def _follow(list_price: Decimal, batch_input: Decimal, base: Prices) -> Decimal:

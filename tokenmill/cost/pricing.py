@@ -2,7 +2,8 @@
 
 Token counts follow OpenAI's usage: `input_tokens` is every prompt token
 (`usage.prompt_tokens`), `cached_tokens` (cache reads) and `cache_write_tokens`
-(tokens written to a prompt cache) are parts of it, and the rest are plain input:
+(tokens written to a prompt cache; `cache_write_1h_tokens` of them kept an hour, at
+the card's 1h write price) are parts of it, and the rest are plain input:
 
     plain = input_tokens - cached_tokens - cache_write_tokens
 
@@ -18,7 +19,8 @@ Rules, applied in this order:
    card's `threshold_tokens`, every input-side price (plain, cached, cache write) is
    multiplied by `input_multiplier` and the output price by `output_multiplier`, for
    the whole request, batch or not. Exactly `threshold_tokens` is not long context.
-3. **Cache write** with no cache-write price on the card is billed as plain input.
+3. **Cache write** with no cache-write price on the card is billed as plain input; a
+   1h write with no 1h price, as a cache write. `cache_write_usd` holds both kinds.
 
 All arithmetic is `Decimal` at high precision, so each part is exact and
 `total_usd` is exactly the sum of the parts. `Cost.to_dict()` is what a response
@@ -49,6 +51,7 @@ class Rates:
     cached_input: Decimal
     cache_write: Decimal
     output: Decimal
+    cache_write_1h: Decimal = Decimal(0)
 
 
 def is_long_context(card: RateCard, input_tokens: int | Decimal) -> bool:
@@ -63,9 +66,11 @@ def rates(card: RateCard, *, batch: bool = False, long_context: bool = False) ->
         assert card.long_context is not None, "long_context rates asked of a card without the rule"
         prices = prices.scaled(card.long_context.input_multiplier, card.long_context.output_multiplier)
     write = prices.input if prices.cache_write is None else prices.cache_write
+    write_1h = write if prices.cache_write_1h is None else prices.cache_write_1h
     with localcontext(prec=_PRECISION):
         return Rates(input=prices.input / MILLION, cached_input=prices.cached_input / MILLION,
-                     cache_write=write / MILLION, output=prices.output / MILLION)
+                     cache_write=write / MILLION, output=prices.output / MILLION,
+                     cache_write_1h=write_1h / MILLION)
 
 
 @dataclass(frozen=True)
@@ -100,12 +105,16 @@ class Cost:
 
 
 def price(card: RateCard, *, input_tokens: int, cached_tokens: int = 0, cache_write_tokens: int = 0,
-          output_tokens: int, batch: bool = False) -> Cost:
+          output_tokens: int, batch: bool = False, cache_write_1h_tokens: int = 0) -> Cost:
     """The exact cost of one request under `card` (rules in the module docstring)."""
     for name, value in (("input_tokens", input_tokens), ("cached_tokens", cached_tokens),
-                        ("cache_write_tokens", cache_write_tokens), ("output_tokens", output_tokens)):
+                        ("cache_write_tokens", cache_write_tokens), ("output_tokens", output_tokens),
+                        ("cache_write_1h_tokens", cache_write_1h_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise PricingError(f"{name} must be a non-negative integer, got {value!r}")
+    if cache_write_1h_tokens > cache_write_tokens:
+        raise PricingError(f"cache_write_1h_tokens ({cache_write_1h_tokens}) are part of cache_write_tokens "
+                           f"({cache_write_tokens})")
     if cached_tokens + cache_write_tokens > input_tokens:
         raise PricingError(f"cached_tokens ({cached_tokens}) + cache_write_tokens ({cache_write_tokens}) "
                            f"exceed input_tokens ({input_tokens}), which includes them")
@@ -113,8 +122,8 @@ def price(card: RateCard, *, input_tokens: int, cached_tokens: int = 0, cache_wr
     r = rates(card, batch=batch, long_context=long_context)
     plain = input_tokens - cached_tokens - cache_write_tokens
     with localcontext(prec=_PRECISION):
-        parts = (plain * r.input, cached_tokens * r.cached_input,
-                 cache_write_tokens * r.cache_write, output_tokens * r.output)
+        write = (cache_write_tokens - cache_write_1h_tokens) * r.cache_write + cache_write_1h_tokens * r.cache_write_1h
+        parts = (plain * r.input, cached_tokens * r.cached_input, write, output_tokens * r.output)
         total = sum(parts, Decimal(0))
     return Cost(*parts, total_usd=total, card=card.name, currency=card.currency,
                 batch=batch and card.batch is not None, long_context=long_context)

@@ -22,18 +22,19 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
-from tokenmill.engine.types import (GREEDY_BELOW, AdmissionError, Choice, EngineDeadError, EngineStats,
-                                    GenerationDefaults, InvalidParameter, Priority, RequestOutput, RequestTimes,
-                                    ResolvedParams, SamplingParams, StructuredOutput, TokenLogprob)
+from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, AdmissionError, CachePin, Choice,
+                                    EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
+                                    RequestOutput, RequestTimes, ResolvedParams, SamplingParams, StructuredOutput,
+                                    TokenLogprob)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.tokenizer import Tokenizer
 
 __all__ = [
-    "AdmissionError", "CacheConfig", "Choice", "EngineClient", "EngineConfig", "EngineDeadError",
-    "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions", "Priority",
-    "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
+    "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EngineClient", "EngineConfig",
+    "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions",
+    "Priority", "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
     "SchedulerConfig", "ServedModel", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
     "UnknownModel", "check_knobs",
 ]
@@ -84,6 +85,10 @@ class RequestLimits:
         for ids in prompts:
             self.check_token_ids(ids)
             longest = max(longest, len(ids))
+        for pin in params.cache_pins:
+            if pin.num_tokens > min(len(ids) for ids in prompts):
+                raise InvalidParameter("cache_control", f"a cache_control breakpoint at token {pin.num_tokens} "
+                                                        "is past the end of the prompt")
         room = self.max_model_len - longest
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -111,7 +116,7 @@ class RequestLimits:
             prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
             logit_bias=dict(params.logit_bias) if params.logit_bias else None, structured=params.structured,
-            speculative=params.speculative)
+            speculative=params.speculative, cache_pins=tuple(params.cache_pins))
 
     def check_token_ids(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -186,6 +191,14 @@ class RequestLimits:
                       f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {t!r}")
                 check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                       and -100.0 <= v <= 100.0, "logit_bias", f"logit_bias values must be in [-100, 100], got {v!r}")
+        pins = p.cache_pins
+        check(len(pins) <= MAX_CACHE_PINS, "cache_control",
+              f"at most {MAX_CACHE_PINS} cache_control breakpoints per request, got {len(pins)}")
+        for pin in pins:
+            check(isinstance(pin, CachePin) and pin.ttl_s in CACHE_TTLS.values(), "cache_control",
+                  f"a cache_control ttl must be one of {', '.join(CACHE_TTLS)}")
+            check(isinstance(pin.num_tokens, int) and pin.num_tokens >= 1, "cache_control",
+                  "a cache_control breakpoint must follow at least one prompt token")
         if p.structured is not None:
             from tokenmill.engine.structured.grammar import validate  # llguidance, no torch
 

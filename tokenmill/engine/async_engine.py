@@ -130,3 +130,5 @@ class AsyncEngine(EngineFront):
         except BaseException as exc:  # a bug in the step path: fail loudly, not silently
             log.exception("engine loop failed")
             loop.call_soon_threadsafe(self._on_death, exc)
+        finally:
+            engine.close()  # a restarted loop builds a new engine on the same disk tier

@@ -28,6 +28,8 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured.matchers import GrammarMatchers
 from tokenmill.kv.cache import KVCache, default_cache_bytes
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv.tier import open_disk_tier
+from tokenmill.model.kernels import native_ops
 from tokenmill.model.loader import LoadedModel
 
 log = logging.getLogger("tokenmill.engine")
@@ -60,9 +62,14 @@ class LLMEngine:
             num_blocks = int(budget // per_block)
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget holds no block of {per_block} bytes")
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv_cache = KVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
                                 mcfg.head_dim, dtype, kv_dtype)
+        tier = None
+        if cc.kv_disk_dir:  # its files are bound to the kernels that computed them, and the attention path
+            kernels = f"{getattr(native_ops(), '__name__', 'none')}/{'native' if config.native_attention else 'torch'}"
+            tier = open_disk_tier(cc, loaded, self.kv_cache, kernels)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, tier,
+                                 cc.pin_share_per_tenant)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
         self.grammar = GrammarMatchers(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.grammar)
@@ -135,6 +142,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Flush the disk tier's pending writes and release its directory."""
+        if self.kv.tier is not None:
+            self.kv.tier.close()
+
     # -- the step -----------------------------------------------------------------------
     def _expire(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
@@ -148,6 +160,7 @@ class LLMEngine:
         expired = self._expire() if self._deadlines else []
         out = self.scheduler.schedule()
         if not out.scheduled:
+            self.kv.poll_restores(timeout=0.005)  # only reads from disk in flight: wait for one
             return expired
         result = self.runner.execute(out)
         produced = self.scheduler.update(out, result.sampled)
@@ -185,4 +198,6 @@ class LLMEngine:
             spec_draft_tokens=spec.draft_tokens if spec else 0,
             spec_accepted_tokens=spec.accepted_tokens if spec else 0,
             spec_verifications=spec.verifications if spec else 0,
+            kv_pinned_blocks=len(self.kv.pins),
+            **(self.kv.tier.engine_stats() if self.kv.tier is not None else {}),
         )

@@ -144,6 +144,7 @@ class OutputProcessor:
             request_id=req.group_id, index=req.index, new_token_ids=toks, text=text,
             finished=finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            cache_write_tokens=req.cache_write_tokens,
             num_output_tokens=req.num_output_tokens, logprobs=logprobs, prompt_logprobs=plp,
             times=req.times if finished else None,
             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,

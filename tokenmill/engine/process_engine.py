@@ -94,6 +94,8 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
                 out_q.put(("step", outputs, [(rid, str(exc)) for rid, exc in refused], engine.stats()))
     except BaseException as exc:
         out_q.put(("failed", repr(exc)))
+    finally:
+        engine.close()  # flush the disk tier's writes
 
 
 @dataclass

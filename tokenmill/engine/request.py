@@ -51,6 +51,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
+        self.cache_write_tokens: dict[int, int] = {}  # TTL s -> prompt tokens pinned in the cache (written)
         self.num_preemptions = 0
         self.num_draft_tokens = 0  # speculative drafts checked by the model
         self.num_accepted_tokens = 0  # of those, accepted

@@ -80,9 +80,12 @@ class Scheduler:
             self.requests[req.request_id] = req
             self.waiting.add(req)
         self.groups.register(reqs)
+        if reqs[0].params.prompt_logprobs is None:
+            self.kv.start_restore(reqs[0])  # a prefix on disk is read back while it waits
 
     # -- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.kv.tick(time.monotonic())  # cache pins whose TTL has passed become evictable
         live = (self.waiting.count(Priority.INTERACTIVE) > 0
                 or any(r.priority == Priority.INTERACTIVE for r in self.running))
         budget = StepBudget(self.config.max_num_batched_tokens, self.share.allowance(self.config, live))
@@ -125,6 +128,8 @@ class Scheduler:
         for req in self.waiting.iter_fair(budget.per_tenant):
             if budget.tokens <= 0:
                 break
+            if self.kv.restoring(req):
+                continue  # its prefix is being read from disk; others go meanwhile
             if budget.room(req) <= 0:
                 break  # a batch request past its share: only batch requests are left
             if len(self.running) >= self.config.max_num_seqs:
@@ -292,7 +297,8 @@ class Scheduler:
             if not sr.sample:
                 self.kv.cache_blocks(req)
                 continue
-            if req.times.first_token is None:
+            first = req.times.first_token is None
+            if first:
                 req.times.first_token = now
             produced.append(req)
             if self.spec is not None:
@@ -311,6 +317,8 @@ class Scheduler:
                 if status is not None:
                     break
             self.kv.cache_blocks(req)
+            if first and req.params.cache_pins:  # the prompt is computed: keep what it marked
+                req.cache_write_tokens = self.kv.pin_prefix(req, req.params.cache_pins, now)
             if status is not None:
                 self.finish(req.request_id, status)
         return produced

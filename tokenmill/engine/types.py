@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
-    "AdmissionError", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults",
-    "InvalidParameter", "Priority", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
-    "StructuredOutput", "TokenLogprob",
+    "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
+    "GenerationDefaults", "InvalidParameter", "Priority", "RequestOutput", "RequestTimes", "ResolvedParams",
+    "SamplingParams", "StructuredOutput", "TokenLogprob",
 ]
 
 
@@ -60,6 +60,20 @@ class StructuredOutput:
     value: Any = None
 
 
+# Prompt-cache TTLs a client may ask for (Anthropic's cache_control "ttl"), in seconds
+CACHE_TTLS = {"5m": 300, "1h": 3600}
+MAX_CACHE_PINS = 4  # breakpoints per request, as Anthropic allows
+
+
+@dataclass(frozen=True)
+class CachePin:
+    """Keep the prompt's first `num_tokens` tokens cached for `ttl_s` seconds from this
+    request's use of them (a cache_control breakpoint): their full blocks stay in memory
+    against eviction until then, within the tenant's share of the pool."""
+    num_tokens: int
+    ttl_s: int
+
+
 @dataclass
 class SamplingParams:
     """How one request wants its tokens chosen and when it wants to stop, as the client
@@ -88,6 +102,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured: StructuredOutput | None = None  # output constrained by a grammar (None: free text)
     speculative: bool = True  # False: no speculative drafts for this request (the output is the same)
+    cache_pins: tuple[CachePin, ...] = ()  # prompt prefixes to keep cached (cache_control)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +165,7 @@ class ResolvedParams:
     logit_bias: dict[int, float] | None
     structured: StructuredOutput | None
     speculative: bool
+    cache_pins: tuple[CachePin, ...]
 
     @property
     def has_penalties(self) -> bool:
@@ -195,6 +211,9 @@ class RequestOutput:
     # many it accepted (the output is the same either way)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # prompt tokens this request wrote to the cache under its cache pins, by TTL in seconds
+    # (tokens it read from the cache are num_cached_tokens)
+    cache_write_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -238,3 +257,15 @@ class EngineStats:
     spec_draft_tokens: int = 0  # speculative drafts checked by the model
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_verifications: int = 0  # request-steps that checked drafts
+    kv_pinned_blocks: int = 0  # blocks cache_control breakpoints keep in memory until their TTL
+    # the prefix cache's disk tier (prefix_hits counts blocks read back from disk too)
+    kv_disk_lookup_tokens: int = 0  # prompt tokens in full blocks memory lacked, looked up on disk
+    kv_disk_hit_tokens: int = 0  # of those, read back from disk
+    kv_disk_read_bytes: int = 0
+    kv_disk_written_bytes: int = 0
+    kv_disk_restores: int = 0  # prefixes read back
+    kv_disk_restore_seconds: float = 0.0  # summed: from the lookup to the blocks being ready
+    kv_disk_used_bytes: int = 0
+    kv_disk_capacity_bytes: int = 0
+    kv_disk_files: int = 0
+    kv_disk_faults: int = 0  # bad files (truncated, corrupt, foreign), failed writes (no space, I/O)

@@ -13,7 +13,7 @@ block out of the middle of the list in O(1).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 
 class Block:
@@ -27,10 +27,13 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_evict: Callable[[Block], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        # called with a cached block (hash and tokens still set) just before allocation
+        # reuses it: its contents are about to be overwritten (the disk tier saves them)
+        self.on_evict = on_evict
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[Hashable, int] = {}
@@ -66,6 +69,8 @@ class BlockPool:
             bid, _ = self._free.popitem(last=False)
             block = self.blocks[bid]
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._evict(block)
             block.ref_cnt = 1
             out.append(bid)
@@ -89,15 +94,17 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[bid] = None
 
-    def cache(self, block_id: int, block_hash: Hashable, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block_id: int, block_hash: Hashable, token_ids: tuple[int, ...]) -> bool:
         """Publish a full, computed block under its hash. The first writer of a hash wins;
-        a duplicate computed concurrently stays private and is freed normally."""
+        a duplicate computed concurrently stays private and is freed normally. True: this
+        call published it."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = token_ids
         self._cached[block_hash] = block_id
+        return True
 
     def _evict(self, block: Block) -> None:
         del self._cached[block.block_hash]

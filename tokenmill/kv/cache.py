@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from tokenmill.model.memory import hugepage_zeros
@@ -54,6 +55,12 @@ class KVCache:
         if self.quantized:
             self.scales = hugepage_zeros((num_layers, 2, num_kv_heads, slots), torch.float32, background=True)
             self._scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(num_layers)]
+        # byte views of the same memory, [layers, 2, kv_heads, slots, head_dim * itemsize]
+        # (and [..., slots * 4] for the scales): whole blocks are copied with numpy, which
+        # may run on another thread without starting a second OpenMP team beside the step's
+        self._rows = self.data.view(torch.uint8).numpy()
+        self._scale_rows = self.scales.view(torch.uint8).numpy() if self.quantized else None
+        self._split = self._rows[..., :block_size, :].size  # a block's K/V bytes; its scales after
 
     @property
     def quantized(self) -> bool:
@@ -65,6 +72,38 @@ class KVCache:
     def layer_scales(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Layer i's (k, v) scales [kv_heads, slots] for an int8 cache, else (None, None)."""
         return self._scales[i]
+
+    # -- whole blocks as bytes (the disk tier, tokenmill/kv/disk.py) ---------------------------
+    @property
+    def block_nbytes(self) -> int:
+        return self._split + (self._scale_rows[..., :4 * self.block_size].size if self.quantized else 0)
+
+    @property
+    def layout(self) -> str:
+        """What a block's bytes mean: the order, shape and dtype they are copied in."""
+        return (f"rows[layers,2,kv_heads,block,head_dim]={list(self._rows[..., :self.block_size, :].shape)}"
+                f":{str(self.dtype).removeprefix('torch.')}" + (";scales:float32" if self.quantized else ""))
+
+    def _slots(self, block_id: int) -> slice:
+        return slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+
+    def read_block(self, block_id: int, out: np.ndarray) -> None:
+        """Copy block `block_id`'s K/V (and scales) into `out`, a uint8 array of block_nbytes."""
+        s = self._slots(block_id)
+        rows = self._rows[:, :, :, s, :]
+        np.copyto(out[:self._split].reshape(rows.shape), rows)
+        if self._scale_rows is not None:
+            scales = self._scale_rows[..., 4 * s.start:4 * s.stop]
+            np.copyto(out[self._split:].reshape(scales.shape), scales)
+
+    def write_block(self, block_id: int, src: np.ndarray) -> None:
+        """The inverse of read_block: fill block `block_id` from `src`."""
+        s = self._slots(block_id)
+        rows = self._rows[:, :, :, s, :]
+        np.copyto(rows, src[:self._split].reshape(rows.shape))
+        if self._scale_rows is not None:
+            scales = self._scale_rows[..., 4 * s.start:4 * s.stop]
+            np.copyto(scales, src[self._split:].reshape(scales.shape))
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,

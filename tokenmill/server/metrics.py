@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                   SummaryMetricFamily)
 
 from tokenmill.engine.api import EngineStats, RequestOutput
 
@@ -57,6 +58,32 @@ class _EngineCollector:
                 d.add_metric([name], value)
             yield d
 
+    @staticmethod
+    def _disk(s: EngineStats) -> Iterable[GaugeMetricFamily]:
+        """The prefix cache's disk tier (served with --kv-disk-dir). prefix_cache_hits counts
+        the tokens read back from disk too: memory's share is the difference."""
+        for name, doc, value in (
+            ("tokenmill_kv_disk_lookup_tokens", "Prompt tokens in full blocks memory lacked, looked up on disk.",
+             s.kv_disk_lookup_tokens),
+            ("tokenmill_kv_disk_hit_tokens", "Prompt tokens read back from disk instead of recomputed.",
+             s.kv_disk_hit_tokens),
+            ("tokenmill_kv_disk_read_bytes", "Bytes read from KV block files.", s.kv_disk_read_bytes),
+            ("tokenmill_kv_disk_written_bytes", "Bytes written to KV block files.", s.kv_disk_written_bytes),
+            ("tokenmill_kv_disk_faults", "Bad block files (truncated, corrupt, foreign) and failed writes "
+                                         "(no space, I/O); each cost a recompute or a block kept in memory only.",
+             s.kv_disk_faults),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield SummaryMetricFamily("tokenmill_kv_disk_restore_seconds", "Time from a prompt's lookup to its "
+                                  "prefix being read back from disk.", count_value=s.kv_disk_restores,
+                                  sum_value=s.kv_disk_restore_seconds)
+        for name, doc, value in (
+            ("tokenmill_kv_disk_used_bytes", "Bytes of KV block files on disk.", s.kv_disk_used_bytes),
+            ("tokenmill_kv_disk_capacity_bytes", "The disk tier's size cap (--kv-disk-gb).", s.kv_disk_capacity_bytes),
+            ("tokenmill_kv_disk_files", "KV block files on disk.", s.kv_disk_files),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+
     def collect(self) -> Iterable[GaugeMetricFamily]:
         s = self._stats()
         for name, doc, value in (
@@ -64,6 +91,8 @@ class _EngineCollector:
             ("tokenmill_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("tokenmill_kv_blocks_used", "KV cache blocks held by requests.", s.kv_blocks_used),
             ("tokenmill_kv_blocks_total", "KV cache blocks in the pool.", s.kv_blocks_total),
+            ("tokenmill_kv_pinned_blocks", "KV cache blocks cache_control breakpoints keep until their TTL.",
+             s.kv_pinned_blocks),
             ("tokenmill_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
              s.prefix_queries),
             ("tokenmill_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.", s.prefix_hits),
@@ -80,6 +109,8 @@ class _EngineCollector:
              s.spec_verifications),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        if s.kv_disk_capacity_bytes:
+            yield from self._disk(s)
         mean = 1.0 + s.spec_accepted_tokens / s.spec_verifications if s.spec_verifications else 0.0
         yield GaugeMetricFamily("tokenmill_spec_mean_accepted_length",
                                 "Tokens a request got per step that checked its drafts (1 + accepted; "

@@ -85,6 +85,16 @@ class ServeOptions:
     max_model_len: int | None = option(None, "--max-model-len", "Context window (default: model's).")
     block_size: int = option(16, "--block-size", "Tokens per KV block.")
     prefix_caching: bool = option(True, "--prefix-caching/--no-prefix-caching")
+    kv_disk_dir: str | None = option(
+        None, "--kv-disk-dir",
+        "Keep prefix-cache blocks in files under this directory (one server per directory): a prompt whose "
+        "prefix left memory, or came before a restart, reads it back instead of recomputing it.")
+    kv_disk_gb: float = option(10.0, "--kv-disk-gb",
+                               "Most GiB of block files in --kv-disk-dir (least recently used go first).")
+    kv_disk_write_through: bool = option(
+        True, "--kv-disk-write-through/--kv-disk-write-on-evict",
+        "Write every block to --kv-disk-dir as it is computed (in the background; a restart finds it), or only "
+        "when memory evicts it.")
     num_threads: int | None = option(None, "--num-threads", "Torch threads (default: all cores).")
     shutdown_timeout: float = option(30.0, "--shutdown-timeout", "Seconds in-flight requests get to finish on SIGTERM.")
     keys_db: str | None = option(None, "--keys-db", "Enforce API keys from this SQLite file.")
@@ -233,7 +243,9 @@ class ServeOptions:
                                generation_config=self.generation_config,
                                default_max_tokens=self.default_max_tokens or None),
             cache=CacheConfig(block_size=self.block_size, kv_cache_gb=self.kv_cache_gb,
-                              enable_prefix_caching=self.prefix_caching, kv_cache_dtype=self.kv_cache_dtype),
+                              enable_prefix_caching=self.prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
+                              kv_disk_dir=self.kv_disk_dir, kv_disk_gb=self.kv_disk_gb,
+                              kv_disk_write_through=self.kv_disk_write_through),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 decode_steps=self.decode_steps, batch_share=self.batch_share,

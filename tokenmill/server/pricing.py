@@ -18,8 +18,10 @@ class Pricer:
         self.ledger = ledger
 
     def cost(self, usage: dict[str, Any], batch: bool) -> Cost:
-        return price(self.card, input_tokens=usage["prompt_tokens"],
-                     cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        details = usage.get("prompt_tokens_details", {})
+        return price(self.card, input_tokens=usage["prompt_tokens"], cached_tokens=details.get("cached_tokens", 0),
+                     cache_write_tokens=details.get("cache_write_tokens", 0),
+                     cache_write_1h_tokens=usage.get("cache_creation", {}).get("ephemeral_1h_input_tokens", 0),
                      output_tokens=usage["completion_tokens"], batch=batch)
 
     def attach(self, ctx) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
                       model_validator)
 
-from tokenmill.engine.api import InvalidParameter, RequestBounds, SamplingParams, StructuredOutput
+from tokenmill.engine.api import CACHE_TTLS, InvalidParameter, RequestBounds, SamplingParams, StructuredOutput
 from tokenmill.server import tools as tool_calls
 from tokenmill.server.strict import strict_schema
 
@@ -50,9 +50,17 @@ class StructuredOutputsField(_Body):
     json_object: StrictBool | None = None
 
 
+class CacheControl(_Body):
+    """Anthropic's prompt-cache breakpoint: the prompt up to here stays cached for `ttl`
+    (5 minutes or an hour) from each use."""
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class ContentPart(_Body):
     type: str
     text: StrictStr | None = None
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(_Body):
@@ -61,12 +69,24 @@ class ChatMessage(_Body):
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: StrictStr | None = None
+    cache_control: CacheControl | None = None  # (as on a content part: after the whole message)
 
-    def as_template_dict(self) -> dict[str, Any]:
+    def cache_marks(self) -> list[tuple[int | None, CacheControl]]:
+        """Where this message marks cache breakpoints: (after content part i, or None: after
+        the whole message, its control)."""
+        marks: list[tuple[int | None, CacheControl]] = []
+        if isinstance(self.content, list):
+            marks = [(i, p.cache_control) for i, p in enumerate(self.content) if p.cache_control is not None]
+        if self.cache_control is not None:
+            marks.append((None, self.cache_control))
+        return marks
+
+    def as_template_dict(self, parts: int | None = None) -> dict[str, Any]:
+        """The message as chat templates read it; `parts`: only its first content parts."""
         content = self.content
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for part in content[:parts]:
                 if part.type != "text" or part.text is None:
                     raise ValueError(f"unsupported content part type {part.type!r}; this model reads text only")
                 texts.append(part.text)
@@ -204,6 +224,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    # OpenAI's prompt-cache hint: accepted; it routes nothing here (one engine holds the
+    # cache, and every prompt is cached automatically). cache_control breakpoints pin.
+    prompt_cache_key: StrictStr | None = None
     # set by the server from its tokenizer: the call tags are tokens of their own
     _tag_tokens: bool = PrivateAttr(default=False)
     # computed once a request: the checked tools by name, and the output constraint
@@ -224,6 +247,21 @@ class ChatCompletionRequest(_SamplingFields):
         if self._tools is None:
             self._tools = tool_calls.check_tools(self.tools, self.tool_choice)
         return self._tools
+
+    @property
+    def uses_cache_control(self) -> bool:
+        return any(m.cache_marks() for m in self.messages)
+
+    def cache_prefixes(self) -> list[tuple[list[dict[str, Any]], int]]:
+        """Each cache_control breakpoint as (the messages its cached prefix ends with, as
+        template dicts; its TTL in seconds)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            for part, control in m.cache_marks():
+                prefix = [x.as_template_dict() for x in self.messages[:i]]
+                out.append((prefix + [m.as_template_dict(None if part is None else part + 1)],
+                            CACHE_TTLS[control.ttl]))
+        return out
 
     def structured(self) -> tuple[StructuredOutput | None, str]:
         """As for completions, plus tool_choice 'required' or a named function, which

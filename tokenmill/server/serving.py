@@ -18,8 +18,8 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from tokenmill.engine.api import (AdmissionError, EngineClient, EngineDeadError, InvalidParameter, Priority,
-                                  RequestOutput, ResolvedParams, SamplingParams, UnknownModel)
+from tokenmill.engine.api import (CACHE_TTLS, AdmissionError, EngineClient, EngineDeadError, InvalidParameter,
+                                  Priority, RequestOutput, ResolvedParams, SamplingParams, UnknownModel)
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import Metrics
@@ -158,10 +158,20 @@ class BaseServing:
 
     @staticmethod
     def usage(prompt_tokens: int, cached: int, completion_tokens: int,
-              spec: SpecTally | None = None) -> dict[str, Any]:
+              spec: SpecTally | None = None, cache_writes: dict[int, int] | None = None) -> dict[str, Any]:
+        """OpenAI's usage; `cache_writes` (the request marked cache_control breakpoints): the
+        prompt tokens it wrote to the cache by TTL in seconds, reported beside the reads,
+        also under Anthropic's names (whose parts, like OpenAI's, are of prompt_tokens here)."""
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": cached}}
+        if cache_writes is not None:
+            written = sum(cache_writes.values())
+            usage["prompt_tokens_details"]["cache_write_tokens"] = written
+            usage["cache_read_input_tokens"] = cached
+            usage["cache_creation_input_tokens"] = written
+            usage["cache_creation"] = {"ephemeral_5m_input_tokens": cache_writes.get(CACHE_TTLS["5m"], 0),
+                                       "ephemeral_1h_input_tokens": cache_writes.get(CACHE_TTLS["1h"], 0)}
         if spec is not None and spec.draft_tokens:
             usage["speculative"] = spec.as_dict()
         return usage

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -10,7 +11,7 @@ from fastapi import Request
 from jinja2 import TemplateError
 from starlette.responses import Response
 
-from tokenmill.engine.api import Choice, TokenLogprob
+from tokenmill.engine.api import CachePin, Choice, TokenLogprob
 from tokenmill.server.errors import APIError
 from tokenmill.server import tools as tool_calls
 from tokenmill.server.protocol import ChatCompletionRequest
@@ -55,7 +56,10 @@ class ServingChat(BaseServing):
         if self._tag_tokens is None:
             self._tag_tokens = tool_calls.tags_are_tokens(self.tokenizer)
         body.for_tokenizer(self._tag_tokens)
-        return ids, self.prepare(ctx, [ids], body.sampling_params(), body.param_renames())
+        params = body.sampling_params()
+        if body.uses_cache_control:
+            params = dataclasses.replace(params, cache_pins=await self._cache_pins(body, ids))
+        return ids, self.prepare(ctx, [ids], params, body.param_renames())
 
     async def render(self, body: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
         """The prompt's token ids: messages and tools checked, rendered by the chat
@@ -73,6 +77,23 @@ class ServingChat(BaseServing):
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
         return await self.encode(text, "messages", add_special_tokens=add_special_tokens)
+
+    async def _cache_pins(self, body: ChatCompletionRequest, ids: list[int]) -> tuple[CachePin, ...]:
+        """The cache_control breakpoints as token counts: each marked prefix of the messages
+        rendered alone, and the run of the prompt's tokens it shares (a template may end a
+        conversation differently than it continues one)."""
+        pins = []
+        for messages, ttl_s in body.cache_prefixes():
+            try:
+                msgs, tools = self._with_tools(body, messages)
+                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, msgs, False, tools=tools)
+            except (ValueError, TemplateError) as exc:
+                raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
+            prefix = await self.encode(text, "messages", add_special_tokens=False)
+            n = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+            if n:
+                pins.append(CachePin(n, ttl_s))
+        return tuple(pins)
 
     def _with_tools(self, body: ChatCompletionRequest, messages: list[dict[str, Any]]):
         """(messages, tools) for the template: as they are if it has a tools branch (calls'
@@ -107,6 +128,7 @@ class ServingChat(BaseServing):
         # rendered as they arrive: one step's worth at a time, not all at the end
         rendered: dict[int, list[dict[str, Any]]] = {i: [] for i in range(body.n)}
         cached = 0
+        writes: dict[int, int] = {}
         spec = SpecTally()
         async for out in stream:
             self.record(ctx, out)
@@ -115,9 +137,10 @@ class ServingChat(BaseServing):
             if body.logprobs and out.logprobs:
                 rendered[out.index] += self._logprob_entries(out.logprobs)
             if out.index == 0:
-                cached = out.num_cached_tokens
+                cached, writes = out.num_cached_tokens, out.cache_write_tokens
             self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
-        usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()), spec)
+        usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()), spec,
+                           writes if body.uses_cache_control else None)
         answers = {c.index: self._answer(body, c) for c in choices.values()}
         return {
             "id": ctx.request_id, "object": "chat.completion", "created": now(), "model": self.model_name,
@@ -147,6 +170,7 @@ class ServingChat(BaseServing):
             yield chunk(i, {"role": "assistant", "content": ""})
         outputs = [0] * body.n
         cached = 0
+        writes: dict[int, int] = {}
         parsers = None  # with tools: one parser per choice splits content from calls
         if body.tools_active:
             parsers = [tool_calls.StreamParser(body.tools_by_name()) for _ in range(body.n)]
@@ -156,7 +180,7 @@ class ServingChat(BaseServing):
             spec.add(out)
             outputs[out.index] = out.num_output_tokens
             if out.index == 0:
-                cached = out.num_cached_tokens
+                cached, writes = out.num_cached_tokens, out.cache_write_tokens
             self.progress(ctx, num_prompt, cached, sum(outputs))
             lps = {"content": self._logprob_entries(out.logprobs)} if (body.logprobs and out.logprobs) else None
             if parsers is not None:  # tool calls are sent whole, each as its block closes
@@ -178,7 +202,8 @@ class ServingChat(BaseServing):
                 delta = {"content": out.text} if out.text else {}
                 yield chunk(out.index, delta, out.finish_reason if out.finished else None, lps,
                             out.stop_reason if out.finished else None)
-        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs), spec))
+        usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs), spec,
+                                                  writes if body.uses_cache_control else None))
         if include_usage:
             yield {**base, "choices": [], "usage": usage}
 

@@ -210,6 +210,14 @@ def engine_block(s: EngineStats) -> dict[str, Any]:
         "prefix_cache_hits_tokens": s.prefix_hits,
         "prefix_cache_hit_rate": s.prefix_hits / s.prefix_queries if s.prefix_queries else None,
         "preemptions": s.num_preemptions, "engine_restarts": s.engine_restarts,
+        "kv_disk": None if not s.kv_disk_capacity_bytes else {
+            "hit_rate": s.kv_disk_hit_tokens / s.kv_disk_lookup_tokens if s.kv_disk_lookup_tokens else None,
+            "hit_tokens": s.kv_disk_hit_tokens, "used_bytes": s.kv_disk_used_bytes,
+            "capacity_bytes": s.kv_disk_capacity_bytes, "files": s.kv_disk_files,
+            "read_bytes": s.kv_disk_read_bytes, "written_bytes": s.kv_disk_written_bytes,
+            "restore_mean_s": s.kv_disk_restore_seconds / s.kv_disk_restores if s.kv_disk_restores else None,
+            "faults": s.kv_disk_faults,
+        },
     }
 
 

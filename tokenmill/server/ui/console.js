@@ -232,6 +232,12 @@ function renderStats(s) {
     $("stat-waiting").textContent = fmtInt(e.waiting);
     $("stat-kv").textContent = `${fmtInt(e.kv_blocks_used)} / ${fmtInt(e.kv_blocks_total)}`;
     $("stat-prefix").textContent = e.prefix_cache_hit_rate === null ? "–" : `${(100 * e.prefix_cache_hit_rate).toFixed(1)}%`;
+    const d = e.kv_disk;  // the disk tier under the prefix cache, when served with --kv-disk-dir
+    $("card-disk").hidden = !d;
+    if (d) {
+      const rate = d.hit_rate === null ? "–" : `${(100 * d.hit_rate).toFixed(1)}%`;
+      $("stat-disk").textContent = `${rate} · ${(d.used_bytes / 2 ** 30).toFixed(2)} / ${(d.capacity_bytes / 2 ** 30).toFixed(1)} GiB`;
+    }
     $("stat-generation-total").textContent = fmtInt(t.generation_tokens);
     $("stat-prompt-total").textContent = fmtInt(t.prompt_tokens);
     chips($("response-counts"), t.responses_by_status);
