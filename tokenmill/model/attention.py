@@ -11,6 +11,10 @@ reduction order that depends only on that context: a token gives the same number
 or batched, in one prefill chunk or many, after a prefix-cache hit or not. (The torch
 path, used without the native kernels, does not promise that.)
 
+A sliding-window layer (`window` > 0) lets the query at position p see keys
+p - window + 1 .. p only, in every path: decode, prefill chunks, context from the
+prefix cache. The cache keeps every key: full layers of the same model read them all.
+
 Cache layout per layer: k, v each [kv_heads, num_slots, head_dim], where
 slot = block_id * block_size + offset. Keeping heads outermost makes the gather of
 one sequence's context a contiguous [kv_heads, L, head_dim] block per head, ready
@@ -50,7 +54,8 @@ class AttentionMetadata:
     block_size: int = 16
     decode_slots: torch.Tensor | None = None  # [D, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [1, D, 1, L] True where a key is visible
-    decode_bias: torch.Tensor | None = None  # derived from decode_mask by the first layer, reused
+    # additive biases derived from decode_mask by the first layer, reused: (window, dtype) -> bias
+    decode_biases: dict = field(default_factory=dict)
     prefills: list[PrefillSeq] = field(default_factory=list)
     # every query row as its own sequence (row_view), built once per step
     row_tables: torch.Tensor | None = None  # [T, max_blocks]
@@ -108,9 +113,11 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    window: int = 0) -> torch.Tensor:
     """q [T, H, d], k/v [T, Hkv, d] (new tokens) -> [T, H*d]. Writes k/v into the cache
-    (an int8 cache: quantized, their scales into k_scale/v_scale [Hkv, slots])."""
+    (an int8 cache: quantized, their scales into k_scale/v_scale [Hkv, slots]). window:
+    the keys a query sees, itself included (0: all before it)."""
     T, H, d = q.shape
     Hkv = k.shape[1]
     g = H // Hkv
@@ -133,7 +140,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # each row over the cache (its own keys included), as its own sequence
         tables, lens = row_view(meta)
         return meta.kernel.paged_attention(q.contiguous(), k_cache, v_cache, tables, lens, meta.row_starts,
-                                           meta.block_size, scale, k_scale, v_scale).view(T, H * d)
+                                           meta.block_size, scale, k_scale, v_scale, window).view(T, H * d)
 
     def gather(cache: torch.Tensor, scales: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
         rows = cache.index_select(1, idx)
@@ -148,10 +155,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         vd = gather(v_cache, v_scale, idx).view(Hkv * D, L, d)
         # The query group of each kv head rides on the query axis: [Hkv * D, g, d].
         qd = q[:D].view(D, Hkv, g, d).transpose(0, 1).reshape(Hkv * D, g, d)
-        if meta.decode_bias is None or meta.decode_bias.dtype != q.dtype:  # once per step, shared by layers
-            bias = torch.zeros(meta.decode_mask.shape, dtype=q.dtype).masked_fill_(~meta.decode_mask, float("-inf"))
-            meta.decode_bias = bias.expand(Hkv, D, 1, L).reshape(Hkv * D, 1, L)
-        od = _grouped_attention(qd, kd, vd, meta.decode_bias, scale)
+        bias = meta.decode_biases.get((window, q.dtype))
+        if bias is None:  # once per step, shared by the layers
+            visible = meta.decode_mask
+            if window:  # each decode's last `window` keys
+                lens = visible.sum(-1, keepdim=True)
+                visible = visible & (torch.arange(L) >= lens - window)
+            bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+            bias = meta.decode_biases[(window, q.dtype)] = bias.expand(Hkv, D, 1, L).reshape(Hkv * D, 1, L)
+        od = _grouped_attention(qd, kd, vd, bias, scale)
         out[:D] = od.view(Hkv, D, g, d).transpose(0, 1).reshape(D, H * d)
     for p in meta.prefills:
         s, n = p.start, p.query_len
@@ -159,7 +171,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
             kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
             vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=g > 1)
+            if window:
+                i = torch.arange(n)
+                near = (i.unsqueeze(0) <= i.unsqueeze(1)) & (i.unsqueeze(0) > i.unsqueeze(1) - window)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=near, scale=scale, enable_gqa=g > 1)
+            else:
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=g > 1)
             out[s:s + n] = o[0].transpose(0, 1).reshape(n, H * d)
             continue
         L = p.context_len + n
@@ -168,8 +185,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # rows are (query i, group member j) -> query i sits at context_len + i
         qp = q[s:s + n].view(n, Hkv, g, d).transpose(0, 1).reshape(Hkv, n * g, d)
         qpos = torch.arange(p.context_len, L).repeat_interleave(g).unsqueeze(1)
-        bias = torch.zeros(n * g, L, dtype=q.dtype).masked_fill_(torch.arange(L).unsqueeze(0) > qpos,
-                                                                   float("-inf"))
+        kpos = torch.arange(L).unsqueeze(0)
+        hidden = (kpos > qpos) | (kpos <= qpos - window) if window else kpos > qpos
+        bias = torch.zeros(n * g, L, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
         o = _grouped_attention(qp, kp, vp, bias.unsqueeze(0), scale)  # [Hkv, n * g, d]
         out[s:s + n] = o.view(Hkv, n, g, d).transpose(0, 1).reshape(n, H * d)
     return out

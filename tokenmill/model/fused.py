@@ -14,9 +14,9 @@ threads up for the whole step, and a burst also saves the engine's Python betwee
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.kernels import HEAD_DIMS
 from tokenmill.model.quant import Int4Linear, Int8BlockLinear, Q5BlockLinear
 
 FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
@@ -37,8 +37,13 @@ class FusedDecoder:
     def build(cls, model, kv_cache, ops) -> FusedDecoder | None:
         """The fused decoder for `model` over `kv_cache`, or None where it cannot run:
         no native build with the step (AVX-512 VNNI and BF16, or AVX2), a dtype other
-        than bfloat16, or a layer matmul off the int8-activation kernels."""
+        than bfloat16, or a layer matmul off the int8-activation kernels. The families'
+        parts (QK-norm, Gemma's output norms, GeGLU, scaled embeddings, sliding windows
+        with their own RoPE) run inside the step as the model's native ops run them."""
         if ops is None or not hasattr(ops, "decode_step_available") or not ops.decode_step_available():
+            return None
+        cfg = model.cfg
+        if cfg.head_dim not in HEAD_DIMS:
             return None
         lins = list(model.layer_linears())
         usable = (model.dtype == torch.bfloat16
@@ -47,17 +52,25 @@ class FusedDecoder:
                           for lin in lins))
         if not usable:
             return None
-        cfg = model.cfg
         norms = [w for layer in model.layers for w in (layer.input_norm, layer.post_norm)] + [model.norm]
         native = ops.DecodeModel([lin.tiles for lin in lins], [lin.tile_kind for lin in lins], norms,
                                  model.cos32, model.sin32, cfg.num_heads, cfg.num_kv_heads,
                                  cfg.head_dim, cfg.rms_norm_eps, model.scale,
                                  [lin.bias.contiguous() if lin.bias is not None else _NO_BIAS for lin in lins])
+        blocks = model.layers
+        windows = [b.window for b in blocks]
+        if cfg.qk_norm or cfg.output_norms or any(windows) or cfg.hidden_act != "silu":
+            native.set_family([b.q_norm for b in blocks] if cfg.qk_norm else [],
+                              [b.k_norm for b in blocks] if cfg.qk_norm else [],
+                              [b.attn_out_norm for b in blocks] if cfg.output_norms else [],
+                              [b.ffn_out_norm for b in blocks] if cfg.output_norms else [],
+                              windows, model.local_rope.cos32, model.local_rope.sin32, cfg.hidden_act == "gelu_tanh")
         head = model.lm_head
         has_head = (isinstance(head, Int8BlockLinear) and model.embed.dtype == torch.bfloat16
                     and model.embed.is_contiguous())
         if has_head:
-            native.set_head(model.embed, head.tiles)
+            # (the scale as the model's bf16 product has it)
+            native.set_head(model.embed, head.tiles, float(model.embed_scale) if model.embed_scale is not None else 1.0)
         n = cfg.num_layers
         layers = [kv_cache.layer(i) for i in range(n)]
         scales = [kv_cache.layer_scales(i) for i in range(n)] if kv_cache.quantized else []
@@ -79,7 +92,7 @@ class FusedDecoder:
         where the fused step does not apply."""
         if not self.applies(meta, input_ids.shape[0]):
             return None
-        h = F.embedding(input_ids, self.model.embed)
+        h = self.model.embed_tokens(input_ids)
         return self.native.forward(h, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                    meta.block_size)
 

@@ -53,18 +53,31 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma's norms: ffn_norm is the MLP's input norm (transformers' pre_feedforward), and
+# two more on the attention's and the MLP's outputs. (llama.cpp stores them as 1 + w.)
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_LAYER_NAMES_OF = {"gemma3": _GEMMA_LAYER_NAMES}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors llama.cpp writes that carry no weights we need (rope_freqs is handled apart).
 _IGNORED = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """Our (transformers') name of a llama.cpp tensor in a file of architecture `arch`."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _LAYER_NAMES_OF.get(arch, _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -157,7 +170,7 @@ class GGUFFile:
         for gname in self.tensors:
             if gname in _IGNORED:
                 continue
-            name = hf_name(gname)
+            name = hf_name(gname, cfg.architecture)
             if name is None:
                 raise ModelLoadError(f"unexpected tensor {gname!r} in GGUF file for architecture {cfg.architecture}")
             w = self.dequantize(gname)
@@ -213,7 +226,7 @@ class GGUFFile:
         permute = cfg.architecture in ("llama", "mistral")
         out = {}
         for gname in self.tensors:
-            name = hf_name(gname)
+            name = hf_name(gname, cfg.architecture)
             grid = grid_of(gname) if name is not None else None
             if grid is None:
                 continue
@@ -227,8 +240,8 @@ class GGUFFile:
     def wide_weights(self) -> set[str]:
         """hf_names of the weights stored in blocks of more than 5 bits (Q5_1, Q5_K, Q6_K,
         Q8_0): int4 mode keeps them at 8 bits rather than rounding them to 4."""
-        return {hf_name(g) for g, t in self.tensors.items()
-                if Q(t.tensor_type) in WIDE_QTYPES and hf_name(g) is not None}
+        return {hf_name(g, self.architecture) for g, t in self.tensors.items()
+                if Q(t.tensor_type) in WIDE_QTYPES and hf_name(g, self.architecture) is not None}
 
     def rope_freqs(self) -> torch.Tensor | None:
         """Llama 3.1-style per-frequency rope divisors, when the file stores them."""

@@ -49,7 +49,7 @@ _SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "quant_gemv.
 # -fopenmp: at::parallel_for is inlined from ATen's headers and runs on one thread unless
 # this code itself is built with OpenMP (the symbols resolve to torch's libgomp)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
-HEAD_DIMS = (64, 80, 96, 128)  # the head sizes paged_attention is instantiated for
+HEAD_DIMS = (64, 80, 96, 128, 256)  # the head sizes paged_attention is instantiated for
 _KEY_FORMAT = 1  # bump when the layout of a cache entry changes
 _BUILT = "built"  # in a key's directory: the path of the finished module, relative to it
 _FAILED = "failed"  # in a key's directory: the path of the failed build's log, relative to it

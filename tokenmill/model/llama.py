@@ -1,4 +1,8 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a flat batch.
+"""The decoder of the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3)
+over a flat batch: one block, with the per-family switches read from the config
+(tokenmill/model/config.py): a qkv bias, QK-norm, norms on the attention's and the MLP's
+outputs, the MLP's activation, scaled embeddings, the attention scale, and sliding-window
+layers with a RoPE base of their own.
 
 Plain objects rather than nn.Modules: the step path calls a few hundred small
 functions per forward, and module dispatch overhead is measurable on two cores.
@@ -9,12 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention, row_view
 from tokenmill.model.config import ModelConfig
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class DenseLinear:
@@ -36,20 +44,41 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 class LlamaLayer:
+    """One block's weights. post_norm is the MLP's input norm (Llama's post-attention
+    norm, Gemma's pre-feedforward one); q_norm and k_norm (QK-norm, [head_dim]) and
+    attn_out_norm and ffn_out_norm (Gemma's norms on the two outputs) are None where the
+    family has none. window: the keys a query sees (sliding layers), 0 for all."""
+
     def __init__(self, input_norm: torch.Tensor, qkv: Linear, o_proj: Linear,
-                 post_norm: torch.Tensor, gate_up: Linear, down: Linear):
+                 post_norm: torch.Tensor, gate_up: Linear, down: Linear,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 attn_out_norm: torch.Tensor | None = None, ffn_out_norm: torch.Tensor | None = None,
+                 window: int = 0):
         self.input_norm = input_norm
         self.qkv = qkv
         self.o_proj = o_proj
         self.post_norm = post_norm
         self.gate_up = gate_up
         self.down = down
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+        self.attn_out_norm = attn_out_norm
+        self.ffn_out_norm = ffn_out_norm
+        self.window = window
+
+    def norms(self) -> list[torch.Tensor]:
+        return [n for n in (self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm,
+                            self.ffn_out_norm) if n is not None]
 
 
-def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None, theta: float | None = None,
+                  scaling: dict | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2] for base `theta` (default the config's)
+    and `scaling` (default the config's; {} for none)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = cfg.rope_scaling or {}
+    base = cfg.rope_theta if theta is None else theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = (cfg.rope_scaling or {}) if scaling is None else scaling
     kind = scaling.get("rope_type", "default")
     if rope_freqs is not None:
         inv = inv / rope_freqs.float()
@@ -70,6 +99,22 @@ def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> t
     return inv
 
 
+@dataclass
+class Rope:
+    """cos and sin of every position [max_pos, head_dim / 2]: float32 for the native ops,
+    the model dtype for the torch path."""
+    cos32: torch.Tensor
+    sin32: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, inv: torch.Tensor, max_pos: int, dtype: torch.dtype) -> Rope:
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+        cos32, sin32 = freqs.cos(), freqs.sin()
+        return cls(cos32, sin32, cos32.to(dtype), sin32.to(dtype))
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LlamaLayer],
                  norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype,
@@ -80,13 +125,35 @@ class LlamaModel:
         self.norm = norm
         self.lm_head = lm_head
         self.dtype = dtype
-        self.scale = cfg.head_dim ** -0.5
-        inv = rope_inv_freq(cfg, rope_freqs)
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
-        self.cos32 = freqs.cos()  # [max_pos, d/2], for the native rope
-        self.sin32 = freqs.sin()
-        self.cos = self.cos32.to(dtype)
-        self.sin = self.sin32.to(dtype)
+        self.scale = cfg.attn_scale
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as transformers does
+        self.embed_scale = (torch.tensor(cfg.embed_multiplier, dtype=dtype) if cfg.embed_multiplier != 1.0
+                            else None)
+        self.rope = Rope.of(rope_inv_freq(cfg, rope_freqs), cfg.max_position_embeddings, dtype)
+        # sliding layers with a RoPE base of their own (Gemma 3) take this table
+        self.local_rope = self.rope
+        if cfg.rope_local_theta is not None and any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+            self.local_rope = Rope.of(rope_inv_freq(cfg, None, cfg.rope_local_theta, {}),
+                                      cfg.max_position_embeddings, dtype)
+
+    @property
+    def cos32(self) -> torch.Tensor:
+        return self.rope.cos32
+
+    @property
+    def sin32(self) -> torch.Tensor:
+        return self.rope.sin32
+
+    def _ropes(self) -> tuple[Rope, ...]:
+        return (self.rope,) if self.local_rope is self.rope else (self.rope, self.local_rope)
+
+    def layer_rope(self, i: int) -> Rope:
+        return self.local_rope if self.layers[i].window else self.rope
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        return h * self.embed_scale if self.embed_scale is not None else h
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # One fused op (it accumulates bf16 input in fp32); the reference's five-op form
@@ -112,22 +179,27 @@ class LlamaModel:
         cfg = self.cfg
         T = input_ids.shape[0]
         H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
-        h = F.embedding(input_ids, self.embed)
+        tables = {id(r): (r.cos[positions].unsqueeze(1), r.sin[positions].unsqueeze(1))  # [T, 1, d/2]
+                  for r in self._ropes()}
+        h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
             qkv = layer.qkv(x)
-            qk = self._rope(qkv[:, : (H + Hkv) * d].view(T, H + Hkv, d), cos, sin)
+            qk = qkv[:, : (H + Hkv) * d].view(T, H + Hkv, d)
+            if layer.q_norm is not None:
+                qk = torch.cat((self._rms_norm(qk[:, :H], layer.q_norm), self._rms_norm(qk[:, H:], layer.k_norm)), 1)
+            qk = self._rope(qk, *tables[id(self.layer_rope(i))])
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
             k_cache, v_cache = kv_cache.layer(i)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, *kv_cache.layer_scales(i))
-            h = h + layer.o_proj(attn)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, *kv_cache.layer_scales(i),
+                                   window=layer.window)
+            o = layer.o_proj(attn)
+            h = h + (self._rms_norm(o, layer.attn_out_norm) if layer.attn_out_norm is not None else o)
             x = self._rms_norm(h, layer.post_norm)
-            gu = layer.gate_up(x)
-            g, u = gu.chunk(2, dim=-1)
-            h = h + layer.down(F.silu(g) * u)
+            g, u = layer.gate_up(x).chunk(2, dim=-1)
+            dn = layer.down(self.act(g) * u)
+            h = h + (self._rms_norm(dn, layer.ffn_out_norm) if layer.ffn_out_norm is not None else dn)
         return self._rms_norm(h, self.norm)
 
     def _forward_native(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -136,34 +208,44 @@ class LlamaModel:
         T = input_ids.shape[0]
         H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        h = self.embed_tokens(input_ids).contiguous()  # the residual stream, updated in place
         # Attention takes each query row as its own sequence over the cache (row_view), so
         # that a row gets the same numbers whatever else the step holds: with AVX-512 every
         # row through decode attention (which writes the step's K/V first), as the fused
         # step does (tokenmill/model/fused.py); else paged_attention's per-row kernel.
         rows_native = ops.decode_attention_available()
-        cos = self.cos32.index_select(0, positions)
-        sin = self.sin32.index_select(0, positions)
+        tables = {id(r): (r.cos32.index_select(0, positions), r.sin32.index_select(0, positions))
+                  for r in self._ropes()}
+        act_mul = ops.silu_mul if cfg.hidden_act == "silu" else ops.gelu_tanh_mul
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         n = len(self.layers)
         if rows_native:
-            tables, lens = row_view(meta)
+            row_tables, lens = row_view(meta)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
-            ops.rope_(qkv, cos, sin, H + Hkv, d)
+            if layer.q_norm is not None:
+                ops.qk_norm_(qkv, layer.q_norm, layer.k_norm, H, Hkv, d, eps)
+            ops.rope_(qkv, *tables[id(self.layer_rope(i))], H + Hkv, d)
             k_cache, v_cache = kv_cache.layer(i)
             k_scale, v_scale = kv_cache.layer_scales(i)
             if rows_native:
-                attn = ops.decode_attention(qkv, k_cache, v_cache, meta.slot_mapping, tables, lens,
-                                            H, Hkv, meta.block_size, self.scale, k_scale, v_scale)
+                attn = ops.decode_attention(qkv, k_cache, v_cache, meta.slot_mapping, row_tables, lens,
+                                            H, Hkv, meta.block_size, self.scale, k_scale, v_scale, layer.window)
             else:
                 q = qkv[:, :H * d].view(T, H, d)
                 k = qkv[:, H * d:(H + Hkv) * d].view(T, Hkv, d)
                 v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
-                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
-            x = ops.add_rms_norm(h, layer.o_proj(attn), layer.post_norm, eps)
+                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, k_scale, v_scale,
+                                       window=layer.window)
+            o = layer.o_proj(attn)
+            if layer.attn_out_norm is not None:
+                ops.rms_norm_(o, layer.attn_out_norm, eps)
+            x = ops.add_rms_norm(h, o, layer.post_norm, eps)
+            dn = layer.down(act_mul(layer.gate_up(x)))
+            if layer.ffn_out_norm is not None:
+                ops.rms_norm_(dn, layer.ffn_out_norm, eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
-            x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), next_norm, eps)
+            x = ops.add_rms_norm(h, dn, next_norm, eps)
         return x
 
     @torch.inference_mode()
@@ -176,7 +258,7 @@ class LlamaModel:
         """Bytes of weights read by one decode step (embedding rows excluded)."""
         total = self.norm.nbytes + sum(getattr(lin, "nbytes", 0) for lin in self.linears())
         for layer in self.layers:
-            total += layer.input_norm.nbytes + layer.post_norm.nbytes
+            total += sum(n.nbytes for n in layer.norms())
         return total
 
     def linears(self):

@@ -54,6 +54,15 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ModelLoadError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
+# A layer's norms by their checkpoint names: Llama's post-attention norm is the MLP's
+# input norm; Gemma names that one pre-feedforward and puts norms on both outputs.
+_LAYER_NORMS = {
+    False: {"input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"},
+    True: {"input_norm": "input_layernorm.weight", "post_norm": "pre_feedforward_layernorm.weight",
+           "attn_out_norm": "post_attention_layernorm.weight", "ffn_out_norm": "post_feedforward_layernorm.weight"},
+}
+
+
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
@@ -64,8 +73,11 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for norm in _LAYER_NORMS[cfg.output_norms].values():
+            shapes[p + norm] = (h,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
         shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, h)
         shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, h)
         shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, h)
@@ -155,8 +167,12 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         qkv_w = torch.cat([f32(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         qkv_b = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if cfg.attention_bias else None
         gate_up = torch.cat([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
+        norms = {field: w(p + name) for field, name in _LAYER_NORMS[cfg.output_norms].items()}
+        if cfg.qk_norm:
+            norms.update(q_norm=w(p + "self_attn.q_norm.weight"), k_norm=w(p + "self_attn.k_norm.weight"))
         layers.append(LlamaLayer(
-            input_norm=w(p + "input_layernorm.weight"),
+            **norms,
+            window=cfg.layer_window(n),
             # Every layer's inputs take two int8 levels (~16 bits) on the VNNI kernels: the
             # norms' outputs and silu * up carry outlier channels, and with one level greedy
             # answers left the exact mode's on 38 of 64 prompts against 13 with two
@@ -164,7 +180,6 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
             # little at one, where the weight stream sets the time.
             qkv=linear(qkv_w, qkv_b, precise=True, names=tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
             o_proj=linear(f32(p + "self_attn.o_proj.weight"), precise=True, names=(p + "self_attn.o_proj.weight",)),
-            post_norm=w(p + "post_attention_layernorm.weight"),
             gate_up=linear(gate_up, precise=True, names=(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
             down=linear(f32(p + "mlp.down_proj.weight"), precise=True, names=(p + "mlp.down_proj.weight",)),
         ))

@@ -32,12 +32,16 @@ class HFCheckpoint:
         return ModelConfig.from_hf_config(self.hf_config, name=os.path.basename(os.path.normpath(self.folder)))
 
     def iter_state_dict(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, float32 tensor) for every weight. Gemma's norms scale by 1 + w: the 1 is
+        added here, as llama.cpp's conversion does, so every norm is a plain scale."""
         from safetensors import SafetensorError, safe_open
 
+        shift = cfg.architecture == "gemma3"
         for path in self.files:
             try:
                 with safe_open(path, framework="pt") as f:
                     for key in f.keys():
-                        yield key, f.get_tensor(key).float()
+                        t = f.get_tensor(key).float()
+                        yield key, t + 1.0 if shift and key.endswith("norm.weight") else t
             except SafetensorError as exc:
                 raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from None

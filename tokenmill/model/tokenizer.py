@@ -1,7 +1,10 @@
 """Tokenizer and chat template, built from GGUF metadata or a Hugging Face folder.
 
 The GGUF path rebuilds a `tokenizers` byte-level BPE from the vocabulary, merges
-and token types in the file, the same way transformers does, so ids agree.
+and token types in the file, the same way transformers does, so ids agree; Gemma's
+sentencepiece vocabulary (tokenizer.ggml.model "llama") becomes a BPE with byte fallback
+whose merges are recovered from the vocabulary's order, as transformers' GGUF loader
+recovers them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
@@ -35,6 +38,9 @@ PRE_TOKENIZER_SPLITS = {
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 _CONTROL, _USER_DEFINED = 3, 4
+# sentencepiece vocabularies we rebuild, by the file's architecture
+_SENTENCEPIECE_ARCHITECTURES = {"gemma", "gemma2", "gemma3"}
+_SPACE = "\u2581"  # sentencepiece's visible space
 
 
 @lru_cache(maxsize=1)
@@ -139,9 +145,12 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, md: dict[str, Any]) -> "Tokenizer":
         kind = md.get("tokenizer.ggml.model")
+        if kind == "llama" and md.get("general.architecture") in _SENTENCEPIECE_ARCHITECTURES:
+            return cls._from_gguf_sentencepiece(md)
         if kind != "gpt2":
             raise ModelLoadError(
-                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)"
+                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                f"'llama' (sentencepiece) for {sorted(_SENTENCEPIECE_ARCHITECTURES)}"
             )
         tokens: list[str] = list(md["tokenizer.ggml.tokens"])
         types: list[int] = list(md.get("tokenizer.ggml.token_type") or [])
@@ -185,6 +194,39 @@ class Tokenizer:
         )
 
     @classmethod
+    def _from_gguf_sentencepiece(cls, md: dict[str, Any]) -> "Tokenizer":
+        """Gemma's vocabulary as transformers' GGUF loader builds it (GemmaTokenizer): a
+        BPE with byte fallback over text whose spaces are the visible space. Gemma files
+        store a token of two or more spaces as real spaces (respelled here) and list no
+        merges: they come from the vocabulary, the earlier token merging first."""
+        tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in md["tokenizer.ggml.tokens"]]
+        types: list[int] = list(md.get("tokenizer.ggml.token_type") or [])
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = ([tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]] if md.get("tokenizer.ggml.merges")
+                  else merges_from_vocabulary(vocab, {t: -i for i, t in enumerate(tokens)}))
+        unk_id = md.get("tokenizer.ggml.unknown_token_id")
+        hf = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                             unk_token=tokens[unk_id] if unk_id is not None else None))
+        hf.normalizer = normalizers.Replace(" ", _SPACE)
+        hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        hf.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+        bos_id = md.get("tokenizer.ggml.bos_token_id")
+        # (a sentencepiece file that does not say adds BOS, as llama.cpp and transformers do)
+        if md.get("tokenizer.ggml.add_bos_token", True) and bos_id is not None:
+            bos = tokens[bos_id]
+            hf.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+        control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == _CONTROL]
+        if control:
+            hf.add_special_tokens(control)
+        user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        if user:
+            hf.add_tokens(user)
+        eos = [md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.eot_token_id")]
+        return cls(hf, bos_token_id=bos_id, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+                   chat_template=md.get("tokenizer.chat_template"))
+
+    @classmethod
     def from_hf_folder(cls, folder: str, cfg: ModelConfig) -> "Tokenizer | None":
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
@@ -211,3 +253,16 @@ class Tokenizer:
         eos = token_id("eos_token")
         eos_ids = tuple(dict.fromkeys(([eos] if eos is not None else []) + list(cfg.eos_token_ids)))
         return cls(hf, bos, eos_ids, template)
+
+
+def merges_from_vocabulary(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges a vocabulary implies: each token's splits into two tokens, the merges
+    of the best-scored tokens first (transformers' generate_merges, so the ids agree)."""
+    merges = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]

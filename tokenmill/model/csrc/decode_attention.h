@@ -376,11 +376,12 @@ void value_sum_i8(const int8_t* vh, const int64_t* table, int64_t bs, int64_t t0
 
 // One (sequence, kv head, chunk [t0, t1)), t0 a multiple of bs: writes per query row
 // of the group [max, sum, acc[D]], acc unnormalized relative to max. Queries are T; the
-// cache C is T or int8 (then ksh, vsh hold this head's per-slot scales).
+// cache C is T or int8 (then ksh, vsh hold this head's per-slot scales). Keys before
+// `lo` (a sliding window's first key, below t1) weigh nothing.
 template <typename T, typename C, int D, int G>
 void decode_chunk(const T* q, const C* kh, const C* vh, const float* ksh, const float* vsh, const int64_t* table,
                   int64_t bs, int64_t t0, int64_t t1, int g, float scale, float* part, const NextUnit<C>& next,
-                  int64_t fetched) {
+                  int64_t fetched, int64_t lo) {
   constexpr int V = D / 16;
   constexpr bool kI8 = std::is_same_v<C, int8_t>;
   if constexpr (G) g = G;
@@ -426,16 +427,21 @@ void decode_chunk(const T* q, const C* kh, const C* vh, const float* ksh, const 
   }
   const int64_t npad = (n + 15) / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((n % 16) ? (1u << (n % 16)) - 1 : 0xFFFF);
+  const int64_t skip = std::max<int64_t>(0, lo - t0);  // keys before the window
+  // the keys [t, t + 16) that count: inside the chunk and not before the window
+  auto seen = [&](int64_t t) -> __mmask16 {
+    __mmask16 m = t + 16 <= n ? 0xFFFF : tail;
+    if (t < skip) m &= static_cast<__mmask16>(skip - t >= 16 ? 0 : ~((1u << (skip - t)) - 1));
+    return m;
+  };
   for (int j = 0; j < g; ++j) {
     float* sj = s + j * kChunk;
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < npad; t += 16)
-      mx = _mm512_mask_max_ps(mx, t + 16 <= n ? 0xFFFF : tail, mx, _mm512_load_ps(sj + t));
+    for (int64_t t = 0; t < npad; t += 16) mx = _mm512_mask_max_ps(mx, seen(t), mx, _mm512_load_ps(sj + t));
     const float m = _mm512_reduce_max_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < npad; t += 16) {
-      const __m512 p = _mm512_maskz_mov_ps(t + 16 <= n ? 0xFFFF : tail,
-                                           exp512(_mm512_sub_ps(_mm512_load_ps(sj + t), _mm512_set1_ps(m))));
+      const __m512 p = _mm512_maskz_mov_ps(seen(t), exp512(_mm512_sub_ps(_mm512_load_ps(sj + t), _mm512_set1_ps(m))));
       _mm512_store_ps(sj + t, p);
       sum = _mm512_add_ps(sum, p);
     }
@@ -508,13 +514,19 @@ void decode_chunk(const T* q, const C* kh, const C* vh, const float* ksh, const 
 // did not). 64 keeps ~8 units a thread for one sequence of a few hundred tokens; longer
 // contexts and larger batches get more units than the cores need (each ~16 keys of
 // overhead, kUnitCost). first[b] is sequence b's first unit; returns the chunk length.
+// los (optional): each sequence's first key (a sliding window's), so its units start at
+// the chunk holding it.
 constexpr int64_t kPlanChunk = 64;
 
-inline int64_t plan_units(const int64_t* lens, int64_t B, int64_t Hkv, int64_t bs, std::vector<int64_t>& first) {
+inline int64_t first_chunk(const int64_t* los, int64_t b, int64_t chunk) { return los ? los[b] / chunk : 0; }
+
+inline int64_t plan_units(const int64_t* lens, int64_t B, int64_t Hkv, int64_t bs, std::vector<int64_t>& first,
+                          const int64_t* los = nullptr) {
   TORCH_CHECK(bs <= kChunk, "block_size above ", kChunk);
   const int64_t chunk = std::min<int64_t>(kChunk / bs * bs, (kPlanChunk + bs - 1) / bs * bs);
   first.assign(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (lens[b] + chunk - 1) / chunk * Hkv;
+  for (int64_t b = 0; b < B; ++b)
+    first[b + 1] = first[b] + ((lens[b] + chunk - 1) / chunk - first_chunk(los, b, chunk)) * Hkv;
   return chunk;
 }
 
@@ -531,13 +543,13 @@ inline int64_t unit_head(const std::vector<int64_t>& first, int64_t b, int64_t u
 // Thread t's units are [bounds[t], bounds[t + 1]): contiguous runs of about equal cost
 // (keys read, plus a fixed cost a unit), since a sequence's last chunk is short.
 inline std::vector<int64_t> unit_bounds(const std::vector<int64_t>& first, const int64_t* lens, int64_t chunk,
-                                        int64_t Hkv, int64_t threads) {
+                                        int64_t Hkv, int64_t threads, const int64_t* los = nullptr) {
   constexpr int64_t kUnitCost = 16;
   const int64_t B = static_cast<int64_t>(first.size()) - 1, U = first[B];
   std::vector<int64_t> cost(U + 1, 0);  // prefix sums
   for (int64_t b = 0; b < B; ++b)
     for (int64_t u = first[b]; u < first[b + 1]; ++u) {
-      const int64_t t0 = unit_chunk(first, b, u, Hkv) * chunk;
+      const int64_t t0 = (first_chunk(los, b, chunk) + unit_chunk(first, b, u, Hkv)) * chunk;
       cost[u + 1] = cost[u] + std::min(chunk, lens[b] - t0) + kUnitCost;
     }
   std::vector<int64_t> bounds(threads + 1, U);
@@ -553,25 +565,26 @@ inline std::vector<int64_t> unit_bounds(const std::vector<int64_t>& first, const
 
 // Units [u0, u1): q rows qp (row stride `row`, heads of a group adjacent), caches
 // kp, vp [Hkv, S, D] (int8: their scales ksp, vsp [Hkv, S]); each unit writes
-// g * (D + 2) floats to parts.
+// g * (D + 2) floats to parts. los: as plan_units had them.
 template <typename T, typename C, int D>
 void run_units(int64_t u0, int64_t u1, const std::vector<int64_t>& first, int64_t chunk, const T* qp, int64_t row,
                const C* kp, const C* vp, const float* ksp, const float* vsp, int64_t S, const int64_t* tables,
                int64_t max_blocks, const int64_t* lens, int64_t Hkv, int64_t g, int64_t bs, float scale,
-               float* parts) {
+               float* parts, const int64_t* los = nullptr) {
   if (u0 >= u1) return;
   const int64_t stride = g * (D + 2);
   int64_t fetched = 0;  // rows of this unit's keys the previous unit's value pass fetched
   int64_t b = std::upper_bound(first.begin(), first.end(), u0) - first.begin() - 1;
   for (int64_t u = u0; u < u1; ++u) {
     while (u >= first[b + 1]) ++b;
-    const int64_t c = unit_chunk(first, b, u, Hkv), h = unit_head(first, b, u, Hkv);
-    const int64_t t0 = c * chunk, t1 = std::min(lens[b], t0 + chunk);
+    const int64_t c = first_chunk(los, b, chunk) + unit_chunk(first, b, u, Hkv), h = unit_head(first, b, u, Hkv);
+    const int64_t t0 = c * chunk, t1 = std::min(lens[b], t0 + chunk), lo = los ? los[b] : 0;
     NextUnit<C> next;
     if (u + 1 < u1) {
       int64_t nb = b;
       while (u + 1 >= first[nb + 1]) ++nb;
-      const int64_t nc = unit_chunk(first, nb, u + 1, Hkv), nh = unit_head(first, nb, u + 1, Hkv);
+      const int64_t nc = first_chunk(los, nb, chunk) + unit_chunk(first, nb, u + 1, Hkv);
+      const int64_t nh = unit_head(first, nb, u + 1, Hkv);
       next = {kp + nh * S * D, tables + nb * max_blocks, nc * chunk, std::min(lens[nb], nc * chunk + chunk)};
     }
     const T* qh = qp + b * row + h * g * D;
@@ -583,11 +596,12 @@ void run_units(int64_t u0, int64_t u1, const std::vector<int64_t>& first, int64_
     float* pu = parts + u * stride;
     // the common group sizes get registers-sized loops; others run the generic one
     switch (g) {
-      case 1: decode_chunk<T, C, D, 1>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, 1, scale, pu, next, fetched); break;
-      case 2: decode_chunk<T, C, D, 2>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, 2, scale, pu, next, fetched); break;
-      case 3: decode_chunk<T, C, D, 3>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, 3, scale, pu, next, fetched); break;
-      case 4: decode_chunk<T, C, D, 4>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, 4, scale, pu, next, fetched); break;
-      default: decode_chunk<T, C, D, 0>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, static_cast<int>(g), scale, pu, next, fetched);
+      case 1: decode_chunk<T, C, D, 1>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, 1, scale, pu, next, fetched, lo); break;
+      case 2: decode_chunk<T, C, D, 2>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, 2, scale, pu, next, fetched, lo); break;
+      case 3: decode_chunk<T, C, D, 3>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, 3, scale, pu, next, fetched, lo); break;
+      case 4: decode_chunk<T, C, D, 4>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, 4, scale, pu, next, fetched, lo); break;
+      default:
+        decode_chunk<T, C, D, 0>(qh, kh, vh, ksh, vsh, tb, bs, t0, t1, static_cast<int>(g), scale, pu, next, fetched, lo);
     }
     fetched = t1 - t0;  // the value pass fetched as many of the next unit's rows as this has
   }

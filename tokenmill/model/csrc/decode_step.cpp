@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "argmax.h"
 #include "decode_attention.h"
 #include "quant_tiles.h"
 #include "row_attention.h"
@@ -41,88 +42,14 @@
 namespace {
 
 using BF16 = c10::BFloat16;
+using tm_argmax::first_max;
+using tm_argmax::later_wins;
 
 // [begin, end) of n items for thread t of nt, in contiguous runs as at::parallel_for splits.
 inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
   const int64_t per = (n + nt - 1) / nt;
   return {std::min(n, t * per), std::min(n, (t + 1) * per)};
 }
-
-// For an argmax scanning in index order: whether value a, seen after b, replaces it. NaN
-// counts as the largest and the first one stays, as numpy's and torch's argmax do; bits,
-// not std::isnan, since -ffast-math lets the compiler assume no NaN.
-inline bool is_nan(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return (u & 0x7FFFFFFFu) > 0x7F800000u;
-}
-inline bool later_wins(float a, float b) { return !is_nan(b) && (is_nan(a) || a > b); }
-
-#if defined(__AVX512F__)
-// The first maximum of row[c0, c1) (c1 - c0 a positive multiple of 16), as later_wins
-// scans it: 16 lanes each keep their own first maximum, then the largest value's
-// lowest index wins; a row holding a NaN takes the scalar scan. ~3 us for half the
-// vocabulary where the scalar scan took ~36 (a step's 1%).
-inline int64_t first_max(const float* row, int64_t c0, int64_t c1) {
-  const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF), inf_bits = _mm512_set1_epi32(0x7F800000);
-  const __m512i sixteen = _mm512_set1_epi32(16);
-  __m512 best = _mm512_loadu_ps(row + c0);
-  __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(c0)),
-                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  __m512i best_at = at;
-  __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(best), abs_bits), inf_bits);
-  for (int64_t c = c0 + 16; c < c1; c += 16) {
-    const __m512 v = _mm512_loadu_ps(row + c);
-    at = _mm512_add_epi32(at, sixteen);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, v);
-    best_at = _mm512_mask_mov_epi32(best_at, gt, at);
-    nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_bits), inf_bits);
-  }
-  if (nan) {
-    int64_t bi = c0;
-    for (int64_t c = c0 + 1; c < c1; ++c)
-      if (later_wins(row[c], row[bi])) bi = c;
-    return bi;
-  }
-  const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
-  return _mm512_mask_reduce_min_epi32(top, best_at);
-}
-#elif defined(__AVX2__)
-// first_max in 8 lanes (c1 - c0 a positive multiple of 16).
-inline int64_t first_max(const float* row, int64_t c0, int64_t c1) {
-  const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF), inf_bits = _mm256_set1_epi32(0x7F800000);
-  const __m256i eight = _mm256_set1_epi32(8);
-  __m256 best = _mm256_loadu_ps(row + c0);
-  __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(c0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256i best_at = at;
-  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(best), abs_bits), inf_bits);
-  for (int64_t c = c0 + 8; c < c1; c += 8) {
-    const __m256 v = _mm256_loadu_ps(row + c);
-    at = _mm256_add_epi32(at, eight);
-    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
-    best = _mm256_blendv_ps(best, v, gt);
-    best_at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_at), _mm256_castsi256_ps(at), gt));
-    nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_bits), inf_bits));
-  }
-  if (!_mm256_testz_si256(nan, nan)) {
-    int64_t bi = c0;
-    for (int64_t c = c0 + 1; c < c1; ++c)
-      if (later_wins(row[c], row[bi])) bi = c;
-    return bi;
-  }
-  alignas(32) float vals[8];
-  alignas(32) int32_t idx[8];
-  _mm256_store_ps(vals, best);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(idx), best_at);
-  float top = vals[0];
-  for (int i = 1; i < 8; ++i) top = vals[i] > top ? vals[i] : top;
-  int64_t bi = c1;
-  for (int i = 0; i < 8; ++i)
-    if (vals[i] == top && idx[i] < bi) bi = idx[i];
-  return bi;
-}
-#endif
 
 struct Mat {
   torch::Tensor tiles;
@@ -211,6 +138,45 @@ class DecodeModel {
     vs_ = std::move(vs);
   }
 
+  // Qwen3's and Gemma 3's parts, each list empty or one a layer: q and k norms [head_dim]
+  // (QK-norm, before RoPE), norms [hidden] on the attention's and the MLP's outputs, and
+  // sliding windows (0: none; one size for all sliding layers) whose layers take RoPE
+  // from local_cos, local_sin; gelu: GeGLU instead of SwiGLU. They run the separate ops'
+  // row functions (rows.h), in their order.
+  void set_family(std::vector<torch::Tensor> q_norms, std::vector<torch::Tensor> k_norms,
+                  std::vector<torch::Tensor> attn_out_norms, std::vector<torch::Tensor> ffn_out_norms,
+                  std::vector<int64_t> windows, torch::Tensor local_cos, torch::Tensor local_sin, bool gelu) {
+    auto check = [&](const std::vector<torch::Tensor>& v, int64_t n, const char* what) {
+      TORCH_CHECK(v.empty() || static_cast<int64_t>(v.size()) == L_, what, ": one a layer or none");
+      for (const auto& t : v)
+        TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == n, what,
+                    ": contiguous bfloat16 [", n, "]");
+    };
+    check(q_norms, D_, "q norms");
+    check(k_norms, D_, "k norms");
+    check(attn_out_norms, hidden_, "attention output norms");
+    check(ffn_out_norms, hidden_, "MLP output norms");
+    TORCH_CHECK(q_norms.size() == k_norms.size() && attn_out_norms.size() == ffn_out_norms.size(),
+                "q and k norms together, both output norms together");
+    TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == L_, "windows: one a layer or none");
+    window_ = 0;
+    for (const int64_t w : windows) {
+      TORCH_CHECK(w >= 0 && (w == 0 || window_ == 0 || w == window_), "windows: 0 or one size");
+      window_ = std::max(window_, w);
+    }
+    TORCH_CHECK(local_cos.scalar_type() == at::kFloat && local_sin.scalar_type() == at::kFloat &&
+                    local_cos.sizes() == cos_.sizes() && local_sin.sizes() == cos_.sizes(),
+                "local_cos, local_sin: float32 like cos, sin");
+    q_norms_ = std::move(q_norms);
+    k_norms_ = std::move(k_norms);
+    attn_out_norms_ = std::move(attn_out_norms);
+    ffn_out_norms_ = std::move(ffn_out_norms);
+    windows_ = std::move(windows);
+    local_cos_ = local_cos.contiguous();
+    local_sin_ = local_sin.contiguous();
+    gelu_ = gelu;
+  }
+
   // h [M, hidden] bfloat16 embeddings of the step's tokens (one a sequence); positions,
   // slot_mapping, seq_lens [M]; block_tables [M, max_blocks]. Returns the final norm's
   // output [M, hidden].
@@ -225,7 +191,9 @@ class DecodeModel {
 
   // The output projection (int8 block tiles, see quant_gemv.cpp) and the embedding, for
   // forward_logits. The projection's float32 logits are the ones q8b_gemv gives.
-  void set_head(torch::Tensor embed, torch::Tensor head_tiles) {
+  // embed_scale: the embedding rows' multiplier (Gemma), rounded to bfloat16 by the
+  // caller, as the model's own product rounds.
+  void set_head(torch::Tensor embed, torch::Tensor head_tiles, double embed_scale) {
     TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.dim() == 2 && embed.size(1) == hidden_ &&
                     embed.is_contiguous(), "embed: contiguous bf16 [vocab, hidden]");
     TORCH_CHECK(head_tiles.scalar_type() == at::kByte && head_tiles.dim() == 2 && head_tiles.is_contiguous() &&
@@ -234,6 +202,7 @@ class DecodeModel {
     TORCH_CHECK(head_tiles.size(0) * tm_quant::kTile <= embed.size(0), "head rows beyond the embedding");
     embed_ = embed;
     head_ = head_tiles;
+    embed_scale_ = static_cast<float>(embed_scale);
   }
 
   // token ids [M] -> {logits float32 [M, vocab], argmax int64 [M]} (the first maximum).
@@ -248,6 +217,8 @@ class DecodeModel {
     const int64_t* ip = idc.data_ptr<int64_t>();
     for (int64_t b = 0; b < M; ++b) TORCH_CHECK(ip[b] >= 0 && ip[b] < embed_.size(0), "token id out of range");
     auto h = embed_.index_select(0, idc);
+    if (embed_scale_ != 1.f)
+      for (int64_t b = 0; b < M; ++b) embed_row(ip[b], h.data_ptr<BF16>() + b * hidden_);
     auto logits = torch::empty({M, V}, h.options().dtype(at::kFloat));
     auto best = torch::empty({M}, idc.options());
     Head head{logits.data_ptr<float>(), best.data_ptr<int64_t>(), V};
@@ -311,12 +282,11 @@ class DecodeModel {
     auto h = torch::empty({M, hidden_}, embed_.options());
     int64_t* sp = slots.data_ptr<int64_t>();
     int64_t* op = out.data_ptr<int64_t>();
-    const BF16* ep = embed_.data_ptr<BF16>();
     BF16* hp = h.data_ptr<BF16>();
     for (int64_t s = 0; s < steps; ++s) {
       for (int64_t b = 0; b < M; ++b) {
         sp[b] = tb[b * mb + pp[b] / block_size] * block_size + pp[b] % block_size;
-        std::copy(ep + cp[b] * hidden_, ep + (cp[b] + 1) * hidden_, hp + b * hidden_);
+        embed_row(cp[b], hp + b * hidden_);
       }
       Head head{logits.data_ptr<float>(), op + s * M, V};
       step(h, pos, slots, tables, lens, block_size, h, &head);
@@ -331,6 +301,16 @@ class DecodeModel {
   }
 
  private:
+  // dst [hidden] = token id's embedding row times embed_scale_ (rounded as torch's bf16 product)
+  void embed_row(int64_t id, BF16* dst) const {
+    const BF16* src = embed_.data_ptr<BF16>() + id * hidden_;
+    if (embed_scale_ == 1.f) {
+      std::copy(src, src + hidden_, dst);
+      return;
+    }
+    for (int64_t e = 0; e < hidden_; ++e) dst[e] = static_cast<BF16>(static_cast<float>(src[e]) * embed_scale_);
+  }
+
   struct Head {
     float* logits;
     int64_t* best;
@@ -361,11 +341,22 @@ class DecodeModel {
                : run<96, BF16>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
       case 128: i8 ? run<128, int8_t>(hc, pos, slots_t, tables, lens_t, block_size, out, head)
                : run<128, BF16>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
+      case 256: i8 ? run<256, int8_t>(hc, pos, slots_t, tables, lens_t, block_size, out, head)
+               : run<256, BF16>(hc, pos, slots_t, tables, lens_t, block_size, out, head); break;
       default: TORCH_CHECK(false, "head_dim ", D_, " not built");
     }
 #else
     TORCH_CHECK(false, "the fused decode step needs AVX-512 VNNI and BF16, or AVX2 without AVX-512");
 #endif
+  }
+
+  // A block's output row, or (Gemma) a private copy of it after layer l's norm: the
+  // separate ops' in-place rms_norm_ on the same row function.
+  const BF16* out_norm(const std::vector<torch::Tensor>& norms, int64_t l, const BF16* row, BF16* copy) const {
+    if (norms.empty()) return row;
+    std::copy(row, row + hidden_, copy);
+    tm_rows::rms_row_(copy, norms[l].data_ptr<BF16>(), hidden_, static_cast<float>(eps_));
+    return copy;
   }
 
 #if TM_FUSED_DECODE
@@ -381,6 +372,9 @@ class DecodeModel {
     const int64_t* tb = tables.data_ptr<int64_t>();
     const float* cosp = cos_.data_ptr<float>();
     const float* sinp = sin_.data_ptr<float>();
+    // sliding layers' RoPE (Gemma 3's local base)
+    const float* lcosp = local_cos_.defined() ? local_cos_.data_ptr<float>() : cosp;
+    const float* lsinp = local_sin_.defined() ? local_sin_.data_ptr<float>() : sinp;
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     for (int64_t b = 0; b < M; ++b)
       TORCH_CHECK(slots[b] >= 0 && slots[b] < S && lens[b] >= 1 && lens[b] <= mb * bs, "slot or length out of range");
@@ -388,10 +382,19 @@ class DecodeModel {
     at::internal::lazy_init_num_threads();
     const int64_t threads = at::get_num_threads();
 #if TM_FUSED_CHUNKED_ATTENTION
-    std::vector<int64_t> first;
+    // the units of full layers, and of sliding ones (from each row's first key in the window)
+    std::vector<int64_t> first, wfirst, los;
     const int64_t chunk = tm_decode::plan_units(lens, M, Hkv, bs, first);
     const std::vector<int64_t> bounds = tm_decode::unit_bounds(first, lens, chunk, Hkv, threads);
-    std::vector<float> parts(first[M] * g * (D + 2));  // attention's partial results
+    std::vector<int64_t> wbounds;
+    int64_t wchunk = chunk;
+    if (window_ > 0) {
+      for (int64_t b = 0; b < M; ++b) los.push_back(std::max<int64_t>(0, lens[b] - window_));
+      wchunk = tm_decode::plan_units(lens, M, Hkv, bs, wfirst, los.data());
+      wbounds = tm_decode::unit_bounds(wfirst, lens, wchunk, Hkv, threads, los.data());
+    }
+    // attention's partial results
+    std::vector<float> parts(std::max(first[M], window_ > 0 ? wfirst[M] : 0) * g * (D + 2));
 #else
     std::vector<BF16> attn_rows(M * H * D);  // attention's output
 #endif
@@ -424,7 +427,7 @@ class DecodeModel {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       // each thread's own residual stream and norm output (row-sized work: cheaper done
       // twice than shared through a barrier)
-      std::vector<BF16> hp(h0, h0 + M * hid), xp(M * hid), act(M * I);
+      std::vector<BF16> hp(h0, h0 + M * hid), xp(M * hid), act(M * I), normed(M * hid);
 #if TM_FUSED_CHUNKED_ATTENTION
       std::vector<BF16> attn(M * H * D);
 #endif
@@ -432,6 +435,11 @@ class DecodeModel {
       for (int64_t b = 0; b < M; ++b) tm_rows::rms_row(hp.data() + b * hid, norm0, xp.data() + b * hid, hid, eps);
       for (int64_t l = 0; l < L_; ++l) {
         const Mat* w = &mats_[4 * l];
+        const bool sliding = !windows_.empty() && windows_[l] > 0;
+        const float* lc = sliding ? lcosp : cosp;
+        const float* ls = sliding ? lsinp : sinp;
+        const BF16* qn = q_norms_.empty() ? nullptr : q_norms_[l].data_ptr<BF16>();
+        const BF16* kn = k_norms_.empty() ? nullptr : k_norms_[l].data_ptr<BF16>();
         C* kc = k_[l].data_ptr<C>();
         C* vc = v_[l].data_ptr<C>();
         float* ksc = ks_.empty() ? nullptr : ks_[l].data_ptr<float>();
@@ -445,7 +453,10 @@ class DecodeModel {
           for (int64_t hd = h0_; hd < h1_; ++hd)
             for (int64_t b = 0; b < M; ++b) {
               BF16* v = qkv.data() + b * nq + hd * D;
-              if (hd < H + Hkv) tm_rows::rope_head(v, cosp + pos[b] * half, sinp + pos[b] * half, half);
+              if (hd < H + Hkv) {
+                if (qn) tm_rows::rms_row_(v, hd < H ? qn : kn, D, eps);
+                tm_rows::rope_head(v, lc + pos[b] * half, ls + pos[b] * half, half);
+              }
               if (hd >= H + Hkv) {
                 const int64_t at = (hd - H - Hkv) * S + slots[b];
                 tm_decode::store_row<BF16, D>(v, vc + at * D, vsc ? vsc + at : nullptr);
@@ -459,14 +470,16 @@ class DecodeModel {
 #if TM_FUSED_CHUNKED_ATTENTION
         {
           // (the region has the threads it was planned for; any it lacks, the last one covers)
-          const int64_t u0 = bounds[std::min<int64_t>(tid, threads)];
-          const int64_t u1 = tid + 1 < nt ? bounds[std::min<int64_t>(tid + 1, threads)] : first[M];
-          tm_decode::run_units<BF16, C, D>(u0, u1, first, chunk, qkv.data(), nq, kc, vc, ksc, vsc, S, tb, mb, lens,
-                                           Hkv, g, bs, scale, parts.data());
+          const std::vector<int64_t>& bd = sliding ? wbounds : bounds;
+          const int64_t u0 = bd[std::min<int64_t>(tid, threads)];
+          const int64_t u1 = tid + 1 < nt ? bd[std::min<int64_t>(tid + 1, threads)] : (sliding ? wfirst : first)[M];
+          tm_decode::run_units<BF16, C, D>(u0, u1, sliding ? wfirst : first, sliding ? wchunk : chunk, qkv.data(), nq,
+                                           kc, vc, ksc, vsc, S, tb, mb, lens, Hkv, g, bs, scale, parts.data(),
+                                           sliding ? los.data() : nullptr);
         }
 #pragma omp barrier
         for (int64_t b = 0; b < M; ++b)
-          tm_decode::merge_units<BF16, D>(parts.data(), first, b, Hkv, g, attn.data() + b * H * D);
+          tm_decode::merge_units<BF16, D>(parts.data(), sliding ? wfirst : first, b, Hkv, g, attn.data() + b * H * D);
         const BF16* attn_in = attn.data();
 #else
         {
@@ -477,7 +490,7 @@ class DecodeModel {
             tm_rowattn::attend_one<BF16, C, D>(qkv.data() + b * nq, kc + kvh * S * D, vc + kvh * S * D,
                                                ksc ? ksc + kvh * S : nullptr, vsc ? vsc + kvh * S : nullptr,
                                                tb + b * mb, bs, 1, lens[b], kvh, H, g, scale,
-                                               attn_rows.data() + b * H * D);
+                                               attn_rows.data() + b * H * D, sliding ? windows_[l] : 0);
           }
         }
 #pragma omp barrier
@@ -493,7 +506,8 @@ class DecodeModel {
         {
           const BF16* post = norms_[2 * l + 1].data_ptr<BF16>();
           for (int64_t b = 0; b < M; ++b)
-            tm_rows::add_rms_row(hp.data() + b * hid, o.data() + b * hid, post, xp.data() + b * hid, hid, eps);
+            tm_rows::add_rms_row(hp.data() + b * hid, out_norm(attn_out_norms_, l, o.data() + b * hid, normed.data() + b * hid),
+                                 post, xp.data() + b * hid, hid, eps);
           const QuantX& xq = tm_quant::quantize_rows(xp.data(), M, hid, w[2].kind);
           const auto [t0, t1] = share(w[2].n / 16, tid, nt);
           mm(w[2], xq, t0, t1, gu.data());
@@ -501,7 +515,10 @@ class DecodeModel {
         }
 #pragma omp barrier
         {
-          for (int64_t b = 0; b < M; ++b) tm_rows::silu_mul_row(gu.data() + b * 2 * I, act.data() + b * I, I);
+          for (int64_t b = 0; b < M; ++b) {
+            if (gelu_) tm_rows::gelu_mul_row(gu.data() + b * 2 * I, act.data() + b * I, I);
+            else tm_rows::silu_mul_row(gu.data() + b * 2 * I, act.data() + b * I, I);
+          }
           const QuantX& xq = tm_quant::quantize_rows(act.data(), M, I, w[3].kind);
           const auto [t0, t1] = share(w[3].n / 16, tid, nt);
           mm(w[3], xq, t0, t1, dn.data());
@@ -510,7 +527,8 @@ class DecodeModel {
 #pragma omp barrier
         const BF16* next = norms_[l + 1 < L_ ? 2 * (l + 1) : 2 * L_].data_ptr<BF16>();
         for (int64_t b = 0; b < M; ++b)
-          tm_rows::add_rms_row(hp.data() + b * hid, dn.data() + b * hid, next, xp.data() + b * hid, hid, eps);
+          tm_rows::add_rms_row(hp.data() + b * hid, out_norm(ffn_out_norms_, l, dn.data() + b * hid, normed.data() + b * hid),
+                               next, xp.data() + b * hid, hid, eps);
       }
       if (head) {
         // every thread holds the final norm's output: no barrier before the projection
@@ -544,6 +562,13 @@ class DecodeModel {
   std::vector<torch::Tensor> norms_, k_, v_, ks_, vs_;  // ks_, vs_: an int8 cache's scales
   torch::Tensor embed_, head_;  // optional (set_head)
   torch::Tensor cos_, sin_;
+  // the family's parts (set_family); empty: Llama's block
+  std::vector<torch::Tensor> q_norms_, k_norms_, attn_out_norms_, ffn_out_norms_;
+  std::vector<int64_t> windows_;
+  torch::Tensor local_cos_, local_sin_;
+  int64_t window_ = 0;  // the sliding layers' window
+  bool gelu_ = false;
+  float embed_scale_ = 1.f;
   int64_t L_ = 0, H_, Hkv_, D_, hidden_ = 0, inter_ = 0;
   double eps_, scale_;
 };
@@ -573,7 +598,9 @@ void bind_decode_step(pybind11::module& m) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, torch::Tensor,
                           torch::Tensor, int64_t, int64_t, int64_t, double, double, std::vector<torch::Tensor>>())
       .def("bind_cache", &DecodeModel::bind_cache)
-      .def("set_head", &DecodeModel::set_head)
+      .def("set_head", &DecodeModel::set_head, pybind11::arg("embed"), pybind11::arg("head_tiles"),
+           pybind11::arg("embed_scale") = 1.0)
+      .def("set_family", &DecodeModel::set_family)
       // touches no Python object: other Python threads (the server's) run during a step
       .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_logits", &DecodeModel::forward_logits, pybind11::call_guard<pybind11::gil_scoped_release>())

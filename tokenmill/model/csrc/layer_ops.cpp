@@ -158,3 +158,54 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   });
   return out;
 }
+
+// gu [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I]: GeGLU (Gemma).
+torch::Tensor gelu_tanh_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0);
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, row = gu.stride(0);
+  auto out = torch::empty({T, I}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, gu.scalar_type(), "gelu_tanh_mul", [&] {
+    const scalar_t* gp = gu.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) gelu_mul_row(gp + t * row, op + t * I, I);
+    });
+  });
+  return out;
+}
+
+// QK-norm in place: rms_norm over each of the first H (q) heads of every row of
+// qkv [T, row_stride] with q_w [D], and over the next Hkv (k) heads with k_w [D].
+void qk_norm_(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k_w, int64_t H, int64_t Hkv, int64_t D,
+              double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (H + Hkv) * D, "qkv [T, >= (H + Hkv) D]");
+  TORCH_CHECK(q_w.is_contiguous() && k_w.is_contiguous() && q_w.numel() == D && k_w.numel() == D &&
+                  q_w.scalar_type() == qkv.scalar_type() && k_w.scalar_type() == qkv.scalar_type(),
+              "q_w, k_w: [D] of qkv's type");
+  const int64_t T = qkv.size(0), stride = qkv.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, qkv.scalar_type(), "qk_norm_", [&] {
+    scalar_t* xp = qkv.data_ptr<scalar_t>();
+    const scalar_t* qw = q_w.data_ptr<scalar_t>();
+    const scalar_t* kw = k_w.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < H + Hkv; ++h)
+          rms_row_(xp + t * stride + h * D, h < H ? qw : kw, D, static_cast<float>(eps));
+    });
+  });
+}
+
+// Each row of x [T, n] = rms_norm(row) * weight, in place: Gemma's norms on a block's
+// outputs (the fused step runs the same row function on its copy).
+void rms_norm_(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(), "x: contiguous [T, n], weight [n] of its type");
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm_", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rms_row_(xp + r * n, w, n, static_cast<float>(eps));
+    });
+  });
+}

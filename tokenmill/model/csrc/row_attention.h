@@ -35,7 +35,8 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
                 const float* __restrict vs_head,
                 const int64_t* __restrict table, int64_t bs, int64_t n_q, int64_t seq_len,
                 int64_t kvh, int64_t H, int64_t g, float scale,
-                scalar_t* __restrict out) {  // [n_q, H, D]
+                scalar_t* __restrict out,  // [n_q, H, D]
+                int64_t window = 0) {      // > 0: a query sees its last `window` keys only
   // A query row's result depends only on its visible keys, not on the other rows of the
   // call nor on seq_len (every query row may come as its own sequence, see
   // tokenmill.model.attention.paged_attention): buffers and each head's scores start
@@ -49,19 +50,20 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
   float* buf = acc + g * D;
   for (int64_t i = 0; i < n_q; ++i) {
     const int64_t visible = seq_len - n_q + i + 1;  // causal: keys 0 .. position of query i
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, visible - window) : 0;  // the first key seen
     const int64_t nblocks = (visible + bs - 1) / bs;
     for (int64_t j = 0; j < g; ++j) {
       const scalar_t* qrow = q + (i * H + kvh * g + j) * D;
       for (int e = 0; e < D; ++e) qf[j * D + e] = to_f(qrow[e]) * scale;
     }
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t n_t = std::min(bs, visible - b * bs);
+    for (int64_t b = lo / bs; b < nblocks; ++b) {
+      const int64_t n_t = std::min(bs, visible - b * bs), t0 = std::max<int64_t>(0, lo - b * bs);
       const cache_t* kb = k_head + table[b] * bs * D;
       widen<D>(kb, ks_head ? ks_head + table[b] * bs : nullptr, n_t, buf);
       for (int64_t j = 0; j < g; ++j) {
         const float* qj = qf + j * D;
         float* sj = scores + j * ld + b * bs;
-        for (int64_t t = 0; t < n_t; ++t) {
+        for (int64_t t = t0; t < n_t; ++t) {
           const float* kr = buf + t * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -73,24 +75,24 @@ void attend_one(const scalar_t* __restrict q,      // [n_q, H, D] rows of this s
     for (int64_t j = 0; j < g; ++j) {
       float* sj = scores + j * ld;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < visible; ++t) mx = sj[t] > mx ? sj[t] : mx;
+      for (int64_t t = lo; t < visible; ++t) mx = sj[t] > mx ? sj[t] : mx;
       float sum = 0.f;
-      for (int64_t t = 0; t < visible; ++t) {
+      for (int64_t t = lo; t < visible; ++t) {
         sj[t] = std::exp(sj[t] - mx);
         sum += sj[t];
       }
       const float inv = 1.f / sum;
-      for (int64_t t = 0; t < visible; ++t) sj[t] *= inv;
+      for (int64_t t = lo; t < visible; ++t) sj[t] *= inv;
     }
     std::fill(acc, acc + g * D, 0.f);
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t n_t = std::min(bs, visible - b * bs);
+    for (int64_t b = lo / bs; b < nblocks; ++b) {
+      const int64_t n_t = std::min(bs, visible - b * bs), t0 = std::max<int64_t>(0, lo - b * bs);
       const cache_t* vb = v_head + table[b] * bs * D;
       widen<D>(vb, vs_head ? vs_head + table[b] * bs : nullptr, n_t, buf);
       for (int64_t j = 0; j < g; ++j) {
         float* aj = acc + j * D;
         const float* pj = scores + j * ld + b * bs;
-        for (int64_t t = 0; t < n_t; ++t) {
+        for (int64_t t = t0; t < n_t; ++t) {
           const float p = pj[t];
           const float* vr = buf + t * D;
 #pragma omp simd
