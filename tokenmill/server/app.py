@@ -23,6 +23,7 @@ from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
 from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
+from tokenmill.server.limits import ServerTokens
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.middleware import Frontdoor, ServerState, bounded_route
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -97,7 +98,13 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     state = ServerState()
     # a cluster engine (tokenmill.cluster) also reports its replicas and routing
     metrics = Metrics(engine.stats, getattr(engine, "replica_stats", None), getattr(engine, "router_decisions", None))
-    gate = Gate(policy.defaults, engine.stats, metrics, policy.admission)
+
+    def processed() -> int:  # tokens the engine has computed and generated
+        s = engine.stats()
+        return s.prompt_tokens_computed + s.generation_tokens
+
+    gate = Gate(policy.defaults, engine.stats, metrics, policy.admission,
+                server_tokens=ServerTokens(processed, lambda: engine.limits.cache_tokens))
     pricer = None
     if policy.card is not None:
         from tokenmill.server.pricing import Pricer

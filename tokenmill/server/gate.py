@@ -23,7 +23,7 @@ from tokenmill.cost import Ledger, SpendBudget
 from tokenmill.engine.api import EngineStats, Priority, SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.keys import Tenant, TenantLimits
-from tokenmill.server.limits import TokenBucket, format_duration, request_burst, retry_after_header
+from tokenmill.server.limits import ServerTokens, TokenBucket, format_duration, request_burst, retry_after_header
 from tokenmill.server.metrics import Metrics
 
 CLASS_PRIORITY = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
@@ -81,9 +81,13 @@ def merge_limits(own: TenantLimits, defaults: TenantLimits) -> TenantLimits:
 
 class Gate:
     def __init__(self, defaults: TenantLimits, stats: Callable[[], EngineStats], metrics: Metrics,
-                 admission: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic):
+                 admission: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 server_tokens: ServerTokens | None = None):
+        """`server_tokens`: the server's token capacity and use, reported to keys without
+        a TPM limit of their own."""
         self.defaults = defaults
         self.stats = stats
+        self.server_tokens = server_tokens
         self.metrics = metrics
         self.admission = admission or AdmissionConfig()
         self.ledger = TenantLedger(self._budget_for)
@@ -109,9 +113,15 @@ class Gate:
             return st
 
     def headers_for(self, tenant: Tenant | None) -> dict[str, str]:
+        """The x-ratelimit-* headers of a tenant's response: its own limits', and the token
+        ones always (the server's capacity where the key has no TPM limit, as providers do)."""
         if tenant is None:
             return {}
-        return self.state(Tenant(tenant.name, merge_limits(tenant.limits, self.defaults))).headers()
+        st = self.state(Tenant(tenant.name, merge_limits(tenant.limits, self.defaults)))
+        h = st.headers()
+        if st.tokens is None and self.server_tokens is not None:
+            h.update(self.server_tokens.headers())
+        return h
 
     def headroom(self, tenant: Tenant) -> dict:
         """What the tenant may still use: rate buckets, concurrency, spend (the console)."""
