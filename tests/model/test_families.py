@@ -352,6 +352,13 @@ def test_gguf_gemma_tokenizer_equals_transformers(tmp_path):
         assert ids == ref.encode(text), text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     assert ours.encode("the cat")[0] == 2 and ours.eos_token_ids == (1,)
+    # the merges are transformers' (generate_merges with each token's score its -index)
+    from transformers.tokenization_utils_base import generate_merges
+
+    from tokenmill.model.tokenizer import merges_from_vocabulary
+
+    tokens = {t: i for i, (t, _) in enumerate(vocab)}
+    assert merges_from_vocabulary(tokens) == generate_merges(tokens, {t: -i for t, i in tokens.items()})
     assert 3 not in ours.encode("the cat sat é")  # byte fallback, not <unk>
 
 

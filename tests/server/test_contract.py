@@ -93,3 +93,17 @@ def test_strict_function_tool_calls_only_listed_arguments(client):
     for call in calls:
         assert call.function.name == "weather" and set(json.loads(call.function.arguments)) == {"city"}
 
+
+def test_token_rate_limit_headers_are_always_sent(server, client):
+    """An open server (no keys, so no TPM limit): the token headers report the server's
+    capacity, never less than its KV cache, less what it processed in the last minute."""
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=[USER], max_tokens=4)
+    h = raw.headers
+    limit, remaining = int(h["x-ratelimit-limit-tokens"]), int(h["x-ratelimit-remaining-tokens"])
+    engine = httpx.get(server.url + "/v1/stats", timeout=10).json()["engine"]
+    assert limit >= engine["kv_blocks_total"] * 16  # the default block size
+    assert 0 <= remaining < limit  # this request's tokens were processed within the minute
+    assert re.fullmatch(r"(\d+h)?(\d+m)?[\d.]+m?s", h["x-ratelimit-reset-tokens"])
+    assert "x-ratelimit-limit-requests" not in h  # no request limit to report
+    models = httpx.get(server.url + "/v1/models", timeout=10)
+    assert int(models.headers["x-ratelimit-limit-tokens"]) >= limit

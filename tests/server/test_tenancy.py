@@ -151,6 +151,15 @@ def test_tokens_per_minute_reserves_output(keyed):
     assert remaining >= 200 - used - 40 - 5  # the unused reservation came back (second request used ~40)
 
 
+def test_a_key_without_a_tpm_limit_gets_the_servers_token_headers(keyed):
+    srv, keys = keyed
+    tpm, conc = chat(srv, keys["tpm"]).headers, chat(srv, keys["conc"]).headers  # conc: no TPM, no RPM
+    assert tpm["x-ratelimit-limit-tokens"] == "200"  # the key's own
+    assert int(conc["x-ratelimit-limit-tokens"]) > 200  # the server's capacity (its KV cache at least)
+    assert 0 <= int(conc["x-ratelimit-remaining-tokens"]) < int(conc["x-ratelimit-limit-tokens"])
+    assert "x-ratelimit-reset-tokens" in conc and "x-ratelimit-limit-requests" not in conc
+
+
 def test_spend_budget(keyed):
     srv, keys = keyed
     r = chat(srv, keys["budget"])
