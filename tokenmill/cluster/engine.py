@@ -32,9 +32,9 @@ from typing import Any
 
 from tokenmill.engine.api import EngineConfig, EngineDeadError, EngineStats
 from tokenmill.cluster.replica import rebase_times
-from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, TuneCommand
+from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, TuneCommand, generation_defaults
 from tokenmill.logs import say
-from tokenmill.model.metadata import load_metadata
+from tokenmill.model.metadata import load_model_info
 
 log = logging.getLogger("tokenmill.cluster")
 APP = "tokenmill"
@@ -70,8 +70,9 @@ def stats_sum(reports: list[EngineStats]) -> EngineStats:
 
 class ClusterEngine(EngineFront):
     def __init__(self, config: EngineConfig, options: ClusterOptions):
-        model_config, tokenizer = load_metadata(config.model.path)
-        super().__init__(tokenizer, model_config, config.bounds)
+        info = load_model_info(config.model.path)
+        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name,
+                         generation_defaults(info.generation, config.model))
         self.config = config
         self.options = options
         self.handle = None
@@ -99,6 +100,11 @@ class ClusterEngine(EngineFront):
         self._poller = asyncio.ensure_future(self._poll_forever())
 
     def _deploy(self) -> None:
+        # Ray's C++ failure-signal handler takes SIGTERM for a crash: it prints a stack
+        # trace and arms a 3 s alarm that aborts the process (SIGABRT) in the middle of the
+        # drain. The ingress handles its own signals (tokenmill/server/launch.py), so its
+        # process goes without; read when ray is imported. Replicas keep Ray's default.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray
         from ray import serve
         from ray.serve.config import RequestRouterConfig
@@ -108,7 +114,8 @@ class ClusterEngine(EngineFront):
 
         o = self.options
         root = str(Path(__file__).resolve().parents[2])  # replicas import the tokenmill this process runs
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+               "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "0"}
         if not ray.is_initialized():
             where = f"joining the Ray cluster at {o.address}" if o.address else "starting a local Ray cluster"
             say(f"cluster: {where}")

@@ -23,6 +23,7 @@ from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
 from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
+from tokenmill.server.limits import ServerTokens
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.middleware import Frontdoor, ServerState, bounded_route
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -91,13 +92,20 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     its scheduling knobs to meet while it runs (None: the knobs stay as configured)."""
     config = config or ServerConfig()
     policy = policy or ServicePolicy()
-    model_name = config.served_model_name or engine.model_config.name
+    model_name = engine.model_names()[0]  # (--served-model-name reaches the engine's config)
+    served = engine.served  # per model: tokenizer, limits, generation defaults
     if engine.tokenizer is None:
         raise ValueError("the server needs a model with a tokenizer")
     state = ServerState()
     # a cluster engine (tokenmill.cluster) also reports its replicas and routing
-    metrics = Metrics(engine.stats, getattr(engine, "replica_stats", None), getattr(engine, "router_decisions", None))
-    gate = Gate(policy.defaults, engine.stats, metrics, policy.admission)
+    metrics = Metrics(engine.stats, engine.replica_stats, getattr(engine, "router_decisions", None))
+
+    def processed() -> int:  # tokens the engine has computed and generated
+        s = engine.stats()
+        return s.prompt_tokens_computed + s.generation_tokens
+
+    gate = Gate(policy.defaults, engine.stats, metrics, policy.admission,
+                server_tokens=ServerTokens(processed, lambda: engine.limits.cache_tokens))
     pricer = None
     if policy.card is not None:
         from tokenmill.server.pricing import Pricer
@@ -196,9 +204,14 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
-            "max_model_len": engine.max_model_len}]}
+        data = []
+        for name in engine.model_names():
+            m = served(name)
+            data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
+                         "max_model_len": m.max_model_len,
+                         # what a request that says nothing gets (the model's own, then the server's)
+                         "generation_defaults": m.defaults.as_dict()})
+        return {"object": "list", "data": data}
 
     @app.get("/health")
     async def health() -> Response:
@@ -244,8 +257,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
             out["batches"] = runner.store.status_counts(None if admin else tenant.name)
         if tuner is not None and admin:
             out["autotune"] = tuner.status()
-        if admin and hasattr(engine, "replica_stats"):  # behind `tokenmill cluster serve`
-            out["replicas"] = engine.replica_stats()
+        replicas = engine.replica_stats() if admin else None  # behind `tokenmill cluster serve`
+        if replicas is not None:
+            out["replicas"] = replicas
         return out
 
     add_console_routes(app, keys_required=policy.keys is not None)

@@ -58,6 +58,9 @@ def validation_error(errors: list) -> APIError:
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON")
+    raised = (first.get("ctx") or {}).get("error")
+    if isinstance(raised, InvalidParameter):  # a body's own check (a model validator) names its parameter
+        return APIError(400, str(raised), param=raised.param)
     param = _loc_to_param(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid request")
     if first.get("type") == "missing":

@@ -3,9 +3,9 @@
 Two phases around tokenization:
   admit(ctx, ...)          before: request rate, concurrency, spend budget, request
                            class, queue bounds and the deadline estimate
-  admit_tokens(ctx, ...)   after: prompt cap, n cap, output and work caps (max_tokens
-                           is clamped, so capped output ends with finish_reason
-                           "length"), token rate and work budget reservations
+  output_cap, reserve      around the resolution: prompt cap, n cap, output and work
+                           caps (the resolution clamps max_tokens, so capped output ends
+                           with finish_reason "length"); token rate and work budget
 and one settlement when the request ends (`ctx.finish(usage)`): reserved output
 tokens not used are given back, spend is recorded.
 """
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.cost import Ledger, SpendBudget
-from tokenmill.engine.api import EngineStats, Priority, SamplingParams
+from tokenmill.engine.api import EngineStats, Priority, ResolvedParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.keys import Tenant, TenantLimits
-from tokenmill.server.limits import TokenBucket, format_duration, request_burst, retry_after_header
+from tokenmill.server.limits import ServerTokens, TokenBucket, format_duration, request_burst, retry_after_header
 from tokenmill.server.metrics import Metrics
 
 CLASS_PRIORITY = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
@@ -81,9 +81,13 @@ def merge_limits(own: TenantLimits, defaults: TenantLimits) -> TenantLimits:
 
 class Gate:
     def __init__(self, defaults: TenantLimits, stats: Callable[[], EngineStats], metrics: Metrics,
-                 admission: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic):
+                 admission: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 server_tokens: ServerTokens | None = None):
+        """`server_tokens`: the server's token capacity and use, reported to keys without
+        a TPM limit of their own."""
         self.defaults = defaults
         self.stats = stats
+        self.server_tokens = server_tokens
         self.metrics = metrics
         self.admission = admission or AdmissionConfig()
         self.ledger = TenantLedger(self._budget_for)
@@ -109,9 +113,15 @@ class Gate:
             return st
 
     def headers_for(self, tenant: Tenant | None) -> dict[str, str]:
+        """The x-ratelimit-* headers of a tenant's response: its own limits', and the token
+        ones always (the server's capacity where the key has no TPM limit, as providers do)."""
         if tenant is None:
             return {}
-        return self.state(Tenant(tenant.name, merge_limits(tenant.limits, self.defaults))).headers()
+        st = self.state(Tenant(tenant.name, merge_limits(tenant.limits, self.defaults)))
+        h = st.headers()
+        if st.tokens is None and self.server_tokens is not None:
+            h.update(self.server_tokens.headers())
+        return h
 
     def headroom(self, tenant: Tenant) -> dict:
         """What the tenant may still use: rate buckets, concurrency, spend (the console)."""
@@ -158,7 +168,7 @@ class Gate:
 
     def admit_batch_line(self, ctx, tenant: Tenant) -> None:
         """A Batch API line: the batch class, the tenant's per-request caps (applied in
-        admit_tokens) and its spend budget, but not its live rate limits, concurrency or
+        output_cap) and its spend budget, but not its live rate limits, concurrency or
         queue bounds: the batch runner paces its own lines."""
         tenant = Tenant(tenant.name, merge_limits(tenant.limits, self.defaults))
         st = self.state(tenant)
@@ -188,38 +198,43 @@ class Gate:
                                headers={"Retry-After": retry_after_header(estimate - timeout_s)})
 
     # -- phase 2 --------------------------------------------------------------------------
-    def admit_tokens(self, ctx, num_prompt: int, params: SamplingParams) -> SamplingParams:
-        """Apply caps and reserve tokens to params the engine checked (max_tokens resolved);
-        returns the params to run (max_tokens clamped)."""
+    def output_cap(self, ctx, num_prompt: int, n: int) -> int | None:
+        """The tenant's caps on a request of `num_prompt` tokens and n samples, before it is
+        resolved: refuses (429) a prompt or n over the key's caps; returns the most output
+        tokens a sample may have under its output and work caps (None: uncapped), which
+        the resolution applies to max_tokens."""
         lim: TenantLimits = ctx.limits
         st = self._states[ctx.tenant]
         if lim.max_prompt_tokens is not None and num_prompt > lim.max_prompt_tokens:
             self.metrics.cap_hits.labels(cap="prompt").inc()
             raise self._429(st, f"prompt has {num_prompt} tokens; this key allows at most {lim.max_prompt_tokens}",
                             "prompt_cap_exceeded", math.inf, param="messages")
-        if lim.max_n is not None and params.n > lim.max_n:
-            raise self._429(st, f"n={params.n} exceeds this key's limit of {lim.max_n}", "n_limit_exceeded",
+        if lim.max_n is not None and n > lim.max_n:
+            raise self._429(st, f"n={n} exceeds this key's limit of {lim.max_n}", "n_limit_exceeded",
                             math.inf, param="n")
-        max_tokens = params.max_tokens
-        assert max_tokens is not None, "params must be checked by the engine first"
-        cap = max_tokens
-        if lim.max_output_tokens is not None:
-            cap = min(cap, lim.max_output_tokens)
+        cap = lim.max_output_tokens
         if lim.max_work_tokens is not None:
-            room = (lim.max_work_tokens - num_prompt) // params.n
+            room = (lim.max_work_tokens - num_prompt) // max(n, 1)  # (n itself is checked by the resolution)
             if room < 1:
                 self.metrics.cap_hits.labels(cap="work").inc()
                 raise self._429(st, f"{num_prompt} prompt tokens exceed this key's per-request work cap of "
                                     f"{lim.max_work_tokens} tokens", "work_cap_exceeded", math.inf)
-            cap = min(cap, room)
-        if cap < max_tokens:
+            cap = room if cap is None else min(cap, room)
+        return cap
+
+    def reserve(self, ctx, num_prompt: int, params: ResolvedParams, capped: bool = False) -> None:
+        """Take the resolved request's tokens (prompt + max_tokens x n) from the tenant's
+        token rate and work budget (429 if either is spent); what it does not use is given
+        back when it settles. `capped`: the tenant's cap lowered its max_tokens."""
+        st = self._states[ctx.tenant]
+        lim: TenantLimits = ctx.limits
+        if capped:
             self.metrics.cap_hits.labels(cap="output").inc()
-        if cap != params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
+        cap = params.max_tokens
         total = num_prompt + cap * params.n
         res = Reservation(prompt=num_prompt)
         if not ctx.rate_limited:
-            return params
+            return
         if st.tokens is not None:
             wait = st.tokens.try_take(total)
             if wait is not None:
@@ -236,7 +251,6 @@ class Gate:
                                     f"{format_duration(lim.work_window_s)} is used up", "work_budget_exceeded", wait)
             res.work = total
         ctx.finalizers.append(lambda usage: self._settle(st, res, usage))
-        return params
 
     # -- settlement -----------------------------------------------------------------------
     def _settle(self, st: TenantState, res: Reservation, usage: dict | None) -> None:

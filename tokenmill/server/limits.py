@@ -12,8 +12,11 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from tokenmill.engine.api import EngineDeadError
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,56 @@ class TokenBucket:
         with self._lock:
             self._refill()
             return max(0.0, (self.capacity - self._level) / self.rate)
+
+
+class ServerTokens:
+    """The server's own token figures per minute, for the token rate-limit headers of a key
+    with no TPM limit (OpenAI always sends them; the limit is then the server's capacity):
+    - limit: the most tokens (prompt computed + generated) the engine has processed in a
+      minute, and never less than its KV cache holds, which it takes in and drains well
+      within a minute;
+    - remaining: that less what it processed in the last minute (0 when it runs at its best);
+    - reset: the time it takes at that rate to process what the last minute used.
+    Sampled from the engine's counters when headers are asked for."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self, processed: Callable[[], int], floor: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic):
+        self.processed = processed  # tokens processed since start (a counter)
+        self.floor = floor  # the KV cache's tokens (raises until the engine has started)
+        self.clock = clock
+        self.peak = 0
+        self._samples: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def _used(self) -> int:
+        """Tokens processed in the last minute (the rate over a longer gap between samples)."""
+        now, total = self.clock(), self.processed()
+        s = self._samples
+        if s and total < s[-1][1]:  # the counters started again (a new engine)
+            s.clear()
+        if not s or now - s[-1][0] >= 0.25:
+            s.append((now, total))
+        while len(s) > 1 and now - s[1][0] >= self.WINDOW_S:  # keep one sample from before the window
+            s.popleft()
+        t0, n0 = s[0]
+        span = now - t0
+        used = total - n0 if span <= self.WINDOW_S else int((total - n0) * self.WINDOW_S / span)
+        self.peak = max(self.peak, used)
+        return used
+
+    def headers(self) -> dict[str, str]:
+        try:
+            floor = self.floor()
+        except EngineDeadError:  # the engine has not started: nothing to say yet
+            return {}
+        with self._lock:
+            used = self._used()
+            limit = max(self.peak, floor, 1)
+        return {"x-ratelimit-limit-tokens": str(limit),
+                "x-ratelimit-remaining-tokens": str(max(0, limit - used)),
+                "x-ratelimit-reset-tokens": format_duration(used * self.WINDOW_S / limit)}
 
 
 def format_duration(seconds: float) -> str:

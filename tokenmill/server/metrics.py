@@ -84,7 +84,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("tokenmill_spec_mean_accepted_length",
                                 "Tokens a request got per step that checked its drafts (1 + accepted; "
                                 "0 before any).", value=mean)
-        if self._replicas is not None:
+        if self._replicas is not None and self._replicas() is not None:  # None: a single engine
             yield from self._cluster()
 
 

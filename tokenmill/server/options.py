@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tokenmill.cluster.routing import POLICIES
-from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
-                              SpeculativeConfig)
+from tokenmill.config import (DEFAULT_MAX_TOKENS, CacheConfig, EngineConfig, ModelOptions, RequestBounds,
+                              SchedulerConfig, SpeculativeConfig)
 from tokenmill.engine.factory import ENGINE_MODES
 
 MODEL_HELP = ("GGUF file, Hugging Face folder, or an installed model's name (tokenmill models list; default: the "
@@ -93,6 +93,16 @@ class ServeOptions:
     max_output_tokens: int | None = option(None, "--max-output-tokens",
                                            "Default per-request output cap (ends with 'length').")
     max_work_tokens: int | None = option(None, "--max-work-tokens", "Default per-request cap on prompt + output tokens.")
+    default_max_tokens: int = option(
+        DEFAULT_MAX_TOKENS, "--default-max-tokens",
+        "Output cap of a request that sets no max_tokens (after the model's own generation defaults), so a "
+        "silent request cannot hold a sequence slot until the context is full; 0: up to the context window. "
+        "--max-output-tokens, by contrast, clamps every request.")
+    generation_config: str = option(
+        "auto", "--generation-config",
+        "Sampling defaults where a request says nothing: auto (the model's own: GGUF general.sampling.*, "
+        "generation_config.json, or its install recipe), none (the API's: temperature 1, no truncation), or a "
+        "generation_config.json file.")
     max_waiting: int = option(256, "--max-waiting", "Interactive requests that may wait; then 503.")
     max_n: int = option(16, "--max-n", "Most samples (n, best_of) one request may ask for.")
     max_body_mb: float = option(8.0, "--max-body-mb", "Largest request body in MiB; larger: 413.")
@@ -212,7 +222,9 @@ class ServeOptions:
             path = resolve_model(path)
         dtype, quantization = precision(self.dtype, self.quantization)
         return EngineConfig(
-            model=ModelOptions(path=path, dtype=dtype, quantization=quantization),
+            model=ModelOptions(path=path, dtype=dtype, quantization=quantization, served_name=self.served_model_name,
+                               generation_config=self.generation_config,
+                               default_max_tokens=self.default_max_tokens or None),
             cache=CacheConfig(block_size=self.block_size, kv_cache_gb=self.kv_cache_gb,
                               enable_prefix_caching=self.prefix_caching, kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(

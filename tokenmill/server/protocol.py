@@ -13,10 +13,12 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      model_validator)
 
 from tokenmill.engine.api import InvalidParameter, RequestBounds, SamplingParams, StructuredOutput
 from tokenmill.server import tools as tool_calls
+from tokenmill.server.strict import strict_schema
 
 
 class _Body(BaseModel):
@@ -125,7 +127,9 @@ class _SamplingFields(_Body):
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise InvalidParameter("response_format", "response_format of type json_schema needs "
                                                           "json_schema.schema")
-            found.append((StructuredOutput("json", rf.json_schema.schema_), "response_format"))
+            schema = rf.json_schema.schema_
+            found.append((StructuredOutput("json", strict_schema(schema) if rf.json_schema.strict else schema),
+                          "response_format"))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
             value = getattr(self, name)
@@ -169,13 +173,14 @@ class _SamplingFields(_Body):
     def common_params(self) -> dict[str, Any]:
         return dict(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            # None where the client said nothing: the model's generation defaults apply
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
@@ -201,6 +206,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     # set by the server from its tokenizer: the call tags are tokens of their own
     _tag_tokens: bool = PrivateAttr(default=False)
+    # computed once a request: the checked tools by name, and the output constraint
+    _tools: dict[str, dict[str, Any]] | None = PrivateAttr(default=None)
+    _constraint: tuple[StructuredOutput | None, str] | None = PrivateAttr(default=None)
 
     def for_tokenizer(self, tag_tokens: bool) -> "ChatCompletionRequest":
         self._tag_tokens = tag_tokens
@@ -212,11 +220,20 @@ class ChatCompletionRequest(_SamplingFields):
         return bool(self.tools) and self.tool_choice != "none"
 
     def tools_by_name(self) -> dict[str, dict[str, Any]]:
-        return tool_calls.check_tools(self.tools, self.tool_choice)
+        """The tools checked (with tool_choice), once a request."""
+        if self._tools is None:
+            self._tools = tool_calls.check_tools(self.tools, self.tool_choice)
+        return self._tools
 
     def structured(self) -> tuple[StructuredOutput | None, str]:
         """As for completions, plus tool_choice 'required' or a named function, which
-        constrain the output to well-formed calls (a second constraint is refused)."""
+        constrain the output to well-formed calls (a second constraint is refused).
+        Computed once a request (after for_tokenizer)."""
+        if self._constraint is None:
+            self._constraint = self._find_constraint()
+        return self._constraint
+
+    def _find_constraint(self) -> tuple[StructuredOutput | None, str]:
         spec, param = super().structured()
         by_name = self.tools_by_name()
         names = tool_calls.forced_names(by_name, self.tool_choice) if self.tools_active else None
@@ -241,6 +258,22 @@ class ChatCompletionRequest(_SamplingFields):
         """SamplingParams' names for the fields this body spells differently."""
         return {**super().param_renames(), "logprobs": "top_logprobs",
                 "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+
+    @model_validator(mode="after")
+    def _message_shapes(self) -> "ChatCompletionRequest":
+        """What OpenAI requires of a message beyond its types: a tool message answers a call
+        (tool_call_id) with content; an assistant message has content or tool calls."""
+        for i, m in enumerate(self.messages):
+            where = f"messages.[{i}]"
+            if m.role == "tool" and m.tool_call_id is None:
+                raise InvalidParameter(f"{where}.tool_call_id", "Missing parameter 'tool_call_id': messages with "
+                                                                "role 'tool' must have a 'tool_call_id'.")
+            if m.role == "tool" and m.content is None:
+                raise InvalidParameter(f"{where}.content", f"Missing required parameter: '{where}.content'.")
+            if m.role == "assistant" and m.content is None and not m.tool_calls:
+                raise InvalidParameter(f"{where}.content", f"Invalid value for '{where}.content': an assistant "
+                                                           "message needs content or tool_calls.")
+        return self
 
 
 class CompletionRequest(_SamplingFields):

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.api import InvalidParameter, StructuredOutput
+from tokenmill.server.strict import function_parameters
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -125,8 +126,7 @@ def call_grammar(by_name: dict[str, dict[str, Any]], names: list[str], parallel:
     name as tokens: llguidance takes such added tokens as special, and a special token
     never matches a literal string (see `tags_are_tokens`)."""
     branches = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                 "properties": {"name": {"const": n},
-                                "arguments": by_name[n].get("parameters") or {"type": "object"}}}
+                 "properties": {"name": {"const": n}, "arguments": function_parameters(by_name[n])}}
                 for n in names]
     schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
     open_, close = (CALL_OPEN, CALL_CLOSE) if tag_tokens else (f'"{CALL_OPEN}"', f'"{CALL_CLOSE}"')
