@@ -60,6 +60,22 @@ class StructuredOutput:
     value: Any = None
 
 
+@dataclass(frozen=True)
+class ThinkingTags:
+    """A thinking model's reasoning block as token ids (the server finds them in its
+    tokenizer; the engine sees ids only). The engine counts the reply's reasoning tokens
+    (tags included) and, with a budget, closes the block when it is spent."""
+    open_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
+    inside: bool = False  # the prompt opened the block: the reply starts thinking
+    always: bool = False  # the reply thinks from its first token (deepseek_r1), opened or not
+
+    @property
+    def min_budget(self) -> int:
+        """The fewest reasoning tokens a budget may allow: room for the tags."""
+        return len(self.close_ids) + (0 if self.inside else len(self.open_ids))
+
+
 @dataclass
 class SamplingParams:
     """How one request wants its tokens chosen and when it wants to stop, as the client
@@ -88,6 +104,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured: StructuredOutput | None = None  # output constrained by a grammar (None: free text)
     speculative: bool = True  # False: no speculative drafts for this request (the output is the same)
+    thinking: ThinkingTags | None = None  # a thinking model's tags (None: replies are not parsed for thinking)
+    thinking_token_budget: int | None = None  # most reasoning tokens, tags included (None: unbounded)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +168,8 @@ class ResolvedParams:
     logit_bias: dict[int, float] | None
     structured: StructuredOutput | None
     speculative: bool
+    thinking: ThinkingTags | None = None
+    thinking_token_budget: int | None = None  # set only with thinking
 
     @property
     def has_penalties(self) -> bool:
@@ -195,6 +215,7 @@ class RequestOutput:
     # many it accepted (the output is the same either way)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_reasoning_tokens: int = 0  # of the output so far, inside the thinking block (tags included)
 
 
 @dataclass
@@ -207,9 +228,11 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0
     times: RequestTimes | None = None
 
     def add(self, out: RequestOutput) -> None:
+        self.num_reasoning_tokens = out.num_reasoning_tokens
         self.text += out.text
         self.token_ids += out.new_token_ids
         if out.logprobs:
