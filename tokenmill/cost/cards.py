@@ -19,6 +19,7 @@ File shape (TOML; YAML mirrors it)::
     input = 5.00
     cached_input = 0.50                    # cache read
     cache_write = 6.25                     # optional; absent = billed as input
+    reasoning = 30.00                      # optional; reasoning output tokens (absent = billed as output)
     output = 30.00
     [cards."gpt-5.6-sol".batch]            # optional; absent = no batch price
     input = 2.50                           # either published prices ...
@@ -68,12 +69,14 @@ class Prices:
     cached_input: Decimal
     output: Decimal
     cache_write: Decimal | None = None
+    reasoning: Decimal | None = None  # reasoning (thinking) output tokens; None: billed as output
 
     def scaled(self, input_factor: Decimal, output_factor: Decimal) -> Prices:
         """Input-side prices times `input_factor`, output times `output_factor`."""
         write = None if self.cache_write is None else self.cache_write * input_factor
+        reasoning = None if self.reasoning is None else self.reasoning * output_factor
         return Prices(self.input * input_factor, self.cached_input * input_factor,
-                      self.output * output_factor, write)
+                      self.output * output_factor, write, reasoning)
 
 
 @dataclass(frozen=True)
@@ -262,9 +265,10 @@ def _date(f: Fields, key: str) -> dt.date:
 
 
 def _prices(p: Fields) -> Prices:
-    p.only(("input", "cached_input", "cache_write", "output"))
+    p.only(("input", "cached_input", "cache_write", "output", "reasoning"))
     return Prices(input=p.number("input"), cached_input=p.number("cached_input"),
-                  output=p.number("output"), cache_write=p.optional_number("cache_write"))
+                  output=p.number("output"), cache_write=p.optional_number("cache_write"),
+                  reasoning=p.optional_number("reasoning"))
 
 
 def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
@@ -273,12 +277,12 @@ def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
     b = f.sub("batch")
     if b is None:
         return None, ""
-    b.only(("input", "output", "cached_input", "cache_write", "discount", "assumption"))
+    b.only(("input", "output", "cached_input", "cache_write", "reasoning", "discount", "assumption"))
     assumed = b.data.get("assumption", False)
     if not isinstance(assumed, bool):
         raise b.fail(f"'batch.assumption' must be true or false, got {assumed!r}")
     if b.has("discount"):
-        for key in ("input", "output", "cached_input", "cache_write"):
+        for key in ("input", "output", "cached_input", "cache_write", "reasoning"):
             if b.has(key):
                 raise b.fail(f"give either 'batch.discount' or batch prices, not both (found 'batch.{key}')")
         discount = b.number("discount", max_value=Decimal(1))
@@ -292,8 +296,12 @@ def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
     write = b.optional_number("cache_write")
     if write is None and base.cache_write is not None:
         write = _follow(base.cache_write, batch_in, base)
+    reasoning = b.optional_number("reasoning")
+    if reasoning is None and base.reasoning is not None:  # follows the batch/list output ratio
+        reasoning = (base.reasoning * batch_out / base.output).quantize(PRICE_QUANTUM, rounding=ROUND_HALF_EVEN) \
+            if base.output else base.reasoning
     note = "published" + (" (assumption)" if assumed else "")
-    return Prices(batch_in, cached, batch_out, write), note
+    return Prices(batch_in, cached, batch_out, write, reasoning), note
 
 
 def _follow(list_price: Decimal, batch_input: Decimal, base: Prices) -> Decimal:

@@ -20,7 +20,9 @@ class Pricer:
     def cost(self, usage: dict[str, Any], batch: bool) -> Cost:
         return price(self.card, input_tokens=usage["prompt_tokens"],
                      cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-                     output_tokens=usage["completion_tokens"], batch=batch)
+                     output_tokens=usage["completion_tokens"],
+                     reasoning_tokens=usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0),
+                     batch=batch)
 
     def attach(self, ctx) -> None:
         """Price the final usage in-band, and record spend however the request ends."""
