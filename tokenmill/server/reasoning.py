@@ -19,7 +19,11 @@ output see.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.types import InvalidParameter, SamplingParams, ThinkingTags
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -90,6 +94,14 @@ class ReasoningParser:
         self.content += content
         return reasoning, content
 
+    def step(self, text: str, last: bool) -> tuple[str, str]:
+        """feed(text), and finish() too on the reply's last delta."""
+        reasoning, content = self.feed(text)
+        if last:
+            r, c = self.finish()
+            reasoning, content = reasoning + r, content + c
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """What was held back: a partial tag at the end is text after all."""
         rest, self.buf = self.buf, ""
@@ -113,3 +125,50 @@ def split(kind: str, text: str, inside: bool = False) -> tuple[str | None, str |
     p.feed(text)
     p.finish()
     return p.reasoning or None, p.content or None
+
+
+# names the server passes to every chat template itself
+_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs (e.g. enable_thinking: false), checked."""
+    if not kwargs:
+        return {}
+    clash = sorted(_RESERVED & set(kwargs))
+    if clash:
+        raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(clash)} "
+                                                       "(the request's own fields set them)")
+    return dict(kwargs)
+
+
+class ChatReasoning:
+    """One server's reasoning parser and its tags' token ids (what the engine counts and
+    forces: `ThinkingTags`)."""
+
+    def __init__(self, kind: str, tokenizer) -> None:
+        if kind not in PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got {kind!r}")
+        self.kind = kind
+        self.tags = ThinkingTags(tuple(tokenizer.encode(OPEN, add_special_tokens=False)),
+                                 tuple(tokenizer.encode(CLOSE, add_special_tokens=False)),
+                                 always=kind == "deepseek_r1")
+
+    @classmethod
+    def choose(cls, option: str | None, tokenizer) -> ChatReasoning | None:
+        """`option`: --reasoning-parser (None: from the chat template; "none": off)."""
+        if option is None:
+            template = tokenizer.chat_template
+            option = parser_for_template(template.source if template is not None else None)
+        return None if option in (None, "none") else cls(option, tokenizer)
+
+    def apply(self, prompt: str, params: SamplingParams, budget: int | None, effort: str | None) -> ThinkingTags:
+        """Give the request's params the tags (started inside when the prompt opened the
+        block) and its budget: thinking_token_budget, else reasoning_effort's."""
+        tags = dataclasses.replace(self.tags, inside=prompt_opens_thinking(prompt))
+        params.thinking = tags
+        params.thinking_token_budget = budget if budget is not None else EFFORT_BUDGETS.get(effort)
+        return tags
+
+    def parser(self, tags: ThinkingTags) -> ReasoningParser:
+        return ReasoningParser(self.kind, tags.inside)

@@ -158,10 +158,14 @@ class BaseServing:
 
     @staticmethod
     def usage(prompt_tokens: int, cached: int, completion_tokens: int,
-              spec: SpecTally | None = None) -> dict[str, Any]:
+              spec: SpecTally | None = None, reasoning_tokens: int | None = None) -> dict[str, Any]:
+        """`reasoning_tokens`: of the completion tokens, those inside thinking blocks (None:
+        the model does not think, and usage has no completion_tokens_details)."""
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": cached}}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         if spec is not None and spec.draft_tokens:
             usage["speculative"] = spec.as_dict()
         return usage
