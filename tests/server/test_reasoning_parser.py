@@ -5,7 +5,15 @@ import itertools
 
 import pytest
 
-from tokenmill.server.reasoning import (ReasoningParser, parser_for_template, prompt_opens_thinking, split)
+from tokenizers import Regex
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Split
+
+from tokenmill.engine.types import SamplingParams
+from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.server.reasoning import (EFFORT_BUDGETS, ChatReasoning, ReasoningParser, parser_for_template,
+                                        prompt_opens_thinking, split)
 
 # (parser, prompt opened the block, reply, expected reasoning, expected content)
 CASES = [
@@ -66,3 +74,28 @@ def test_template_and_prompt_detection():
 def test_unknown_parser_refused():
     with pytest.raises(ValueError):
         ReasoningParser("nope")
+
+
+def _tokenizer(template: str | None) -> Tokenizer:
+    """A real tokenizer over a word-level vocabulary in which each tag is three tokens."""
+    vocab = {w: i for i, w in enumerate(["<unk>", "<", "/", "think", ">", "hi"])}
+    hf = HFTokenizer(WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = Split(Regex(r"[</>]|\w+"), behavior="isolated")
+    return Tokenizer(hf, None, (0,), template)
+
+
+def test_chat_reasoning_finds_the_tags_and_maps_effort_to_budgets():
+    tok = _tokenizer("{{ '<think>' }}")
+    r = ChatReasoning.choose(None, tok)
+    assert r.kind == "qwen3" and r.tags.open_ids == (1, 3, 4) and r.tags.close_ids == (1, 2, 3, 4)
+    assert ChatReasoning.choose("none", tok) is None
+    assert ChatReasoning.choose(None, _tokenizer("{{ messages }}")) is None
+    assert ChatReasoning.choose("deepseek_r1", tok).tags.always
+    for effort, budget in EFFORT_BUDGETS.items():
+        params = SamplingParams()
+        tags = r.apply("<think>\n", params, None, effort)
+        assert params.thinking_token_budget == budget and params.thinking is tags and tags.inside
+    params = SamplingParams()
+    r.apply("<think></think>", params, 7, "high")  # an explicit budget wins
+    assert params.thinking_token_budget == 7 and not params.thinking.inside
+    assert EFFORT_BUDGETS == {"low": 256, "medium": 1024, "high": 4096}
