@@ -117,3 +117,20 @@ def test_a_server_without_a_thinking_template_refuses_a_budget(server):
                     json={"model": MODEL, "messages": ASK, "max_tokens": 4, "reasoning_effort": "low"}).json()
     assert "reasoning_content" not in ok["choices"][0]["message"]
     assert "completion_tokens_details" not in ok["usage"]
+
+
+def test_the_batch_api_counts_reasoning_tokens(thinker):
+    from tests.server.test_batch_api import _records, _submit, _wait
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    line = {"custom_id": "t", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 12,
+                     "thinking_token_budget": 6}}
+    b = _wait(client, _submit(client, [line]).id)
+    assert b.status == "completed"
+    [record] = _records(client, b.output_file_id)
+    usage = record["response"]["body"]["usage"]
+    reasoning = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < reasoning <= 6
+    assert b.usage.output_tokens_details.reasoning_tokens == reasoning
