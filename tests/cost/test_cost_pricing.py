@@ -107,9 +107,27 @@ def test_bad_token_counts_are_refused():
 def test_to_dict_is_the_usage_cost_object():
     d = price(GPT, input_tokens=10_000, cached_tokens=8_000, output_tokens=200).to_dict()
     assert d == {"input_usd": 0.01, "cached_input_usd": 0.004, "cache_write_usd": 0.0, "output_usd": 0.006,
-                 "total_usd": 0.02, "currency": "USD", "card": "gpt-5.6-sol"}
+                 "reasoning_usd": 0.0, "total_usd": 0.02, "currency": "USD", "card": "gpt-5.6-sol"}
     exact = price(GPT, input_tokens=272_001, output_tokens=1_000).to_dict(exact=True)
     assert exact["total_usd"] == "2.765010" and D(exact["input_usd"]) + D(exact["output_usd"]) == D("2.76501")
+
+
+def test_reasoning_tokens_are_billed_as_output_unless_the_card_says(tmp_path):
+    plain = price(GPT, input_tokens=1000, output_tokens=1000)
+    split = price(GPT, input_tokens=1000, output_tokens=1000, reasoning_tokens=400)
+    assert split.total_usd == plain.total_usd  # no reasoning price: the output price
+    assert split.reasoning_usd == D("0.012") and split.output_usd == D("0.018")
+    f = tmp_path / "cards.toml"
+    f.write_text('[cards.thinker]\nprovider = "x"\nmodel = "thinker"\nas_of = 2026-12-01\n'
+                 '[cards.thinker.prices]\ninput = 1\ncached_input = 0.1\noutput = 4\nreasoning = 2\n'
+                 '[cards.thinker.batch]\ninput = 0.5\noutput = 2\n')
+    card = load_cards(f)["thinker"]
+    c = price(card, input_tokens=0, output_tokens=1_000_000, reasoning_tokens=250_000)
+    assert (c.output_usd, c.reasoning_usd, c.total_usd) == (D(3), D("0.5"), D("3.5"))
+    b = price(card, input_tokens=0, output_tokens=1_000_000, reasoning_tokens=250_000, batch=True)
+    assert b.reasoning_usd == D("0.25")  # the reasoning price follows the batch/list output ratio
+    with pytest.raises(PricingError, match="reasoning_tokens"):
+        price(GPT, input_tokens=1, output_tokens=2, reasoning_tokens=3)
 
 
 @given(card=st.sampled_from(sorted(CARDS)), plain=st.integers(0, 2_000_000), cached=st.integers(0, 2_000_000),

@@ -50,6 +50,7 @@ def test_frozen_and_keyword_only():
     ({"slo_ttft_ms": 400.0, "slo_itl_ms": -1.0}, "must be positive"),
     ({"batch_inflight": 0}, "--batch-inflight, --batch-max-lines and --batch-max-file-mb must be positive"),
     ({"batch_max_file_mb": 0.0}, "--batch-max-file-mb must be positive"),
+    ({"reasoning_parser": "r1"}, "--reasoning-parser must be one of deepseek_r1, qwen3, none, got 'r1'"),
     ({"engine_mode": "fork"}, "--engine must be one of process, thread, got 'fork'"),
     ({"routing": "random"}, "--routing must be one of affinity, round_robin, p2c, got 'random'"),
     ({"replicas": "0"}, "--replicas must be a positive number or auto, got '0'"),

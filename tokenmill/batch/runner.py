@@ -49,6 +49,7 @@ class LineOutcome:
     output_tokens: int = 0
     cost_usd: Decimal = Decimal(0)
     cost_card: str | None = None
+    reasoning_tokens: int = 0
 
 
 class LineError(Exception):
@@ -286,4 +287,5 @@ class BatchRunner:
         record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
                   "response": {"status_code": o.status_code, "request_id": o.request_id, "body": o.body},
                   "error": None}
-        return LineResult(ok, record, o.input_tokens, o.cached_tokens, o.output_tokens, o.cost_usd, o.cost_card)
+        return LineResult(ok, record, o.input_tokens, o.cached_tokens, o.output_tokens, o.cost_usd, o.cost_card,
+                          o.reasoning_tokens)

@@ -79,6 +79,7 @@ class LineResult:
     output_tokens: int = 0
     cost_usd: Decimal = Decimal(0)
     cost_card: str | None = None
+    reasoning_tokens: int = 0  # of output_tokens, inside thinking blocks
 
 
 def default_data_dir(port: int) -> Path:
@@ -116,6 +117,9 @@ class BatchStore:
         # the OS's cache); only a power cut could lose the last ones.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(batches)")}
+        if "reasoning_tokens" not in columns:  # a store made before reasoning was counted
+            self._db.execute("ALTER TABLE batches ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0")
         self._mu = threading.Lock()
         with self._tx():
             self._db.execute("UPDATE lines SET state = 'pending' WHERE state = 'running'")
@@ -274,11 +278,11 @@ class BatchStore:
             row = db.execute("SELECT cost_usd FROM batches WHERE id = ?", (line.batch_id,)).fetchone()
             db.execute("UPDATE batches SET completed = completed + ?, failed = failed + ?, "
                        "input_tokens = input_tokens + ?, cached_tokens = cached_tokens + ?, "
-                       "output_tokens = output_tokens + ?, cost_usd = ?, cost_card = COALESCE(?, cost_card) "
-                       "WHERE id = ?",
+                       "output_tokens = output_tokens + ?, reasoning_tokens = reasoning_tokens + ?, "
+                       "cost_usd = ?, cost_card = COALESCE(?, cost_card) WHERE id = ?",
                        (int(result.ok), int(not result.ok), result.input_tokens, result.cached_tokens,
-                        result.output_tokens, str(Decimal(row["cost_usd"]) + result.cost_usd), result.cost_card,
-                        line.batch_id))
+                        result.output_tokens, result.reasoning_tokens, str(Decimal(row["cost_usd"]) + result.cost_usd),
+                        result.cost_card, line.batch_id))
         return True
 
     def counts(self, batch_id: str) -> dict[str, int]:
@@ -388,7 +392,7 @@ def _file_obj(r: sqlite3.Row) -> dict[str, Any]:
 
 def _batch_obj(r: sqlite3.Row) -> dict[str, Any]:
     usage = {"input_tokens": r["input_tokens"], "input_tokens_details": {"cached_tokens": r["cached_tokens"]},
-             "output_tokens": r["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+             "output_tokens": r["output_tokens"], "output_tokens_details": {"reasoning_tokens": r["reasoning_tokens"]},
              "total_tokens": r["input_tokens"] + r["output_tokens"]}
     obj = {"id": r["id"], "object": "batch", "endpoint": r["endpoint"],
            "errors": json.loads(r["errors"]) if r["errors"] else None,

@@ -20,6 +20,7 @@ File shape (TOML; YAML mirrors it)::
     cached_input = 0.50                    # cache read
     cache_write = 6.25                     # optional; absent = billed as input
     cache_write_1h = 10.00                 # optional: a write kept an hour; absent = cache_write
+    reasoning = 30.00                      # optional; reasoning output tokens (absent = billed as output)
     output = 30.00
     [cards."gpt-5.6-sol".batch]            # optional; absent = no batch price
     input = 2.50                           # either published prices ...
@@ -71,13 +72,15 @@ class Prices:
     output: Decimal
     cache_write: Decimal | None = None
     cache_write_1h: Decimal | None = None
+    reasoning: Decimal | None = None  # reasoning (thinking) output tokens; None: billed as output
 
     def scaled(self, input_factor: Decimal, output_factor: Decimal) -> Prices:
         """Input-side prices times `input_factor`, output times `output_factor`."""
         write = None if self.cache_write is None else self.cache_write * input_factor
         write_1h = None if self.cache_write_1h is None else self.cache_write_1h * input_factor
+        reasoning = None if self.reasoning is None else self.reasoning * output_factor
         return Prices(self.input * input_factor, self.cached_input * input_factor,
-                      self.output * output_factor, write, write_1h)
+                      self.output * output_factor, write, write_1h, reasoning)
 
 
 @dataclass(frozen=True)
@@ -266,10 +269,10 @@ def _date(f: Fields, key: str) -> dt.date:
 
 
 def _prices(p: Fields) -> Prices:
-    p.only(("input", "cached_input", "cache_write", "cache_write_1h", "output"))
+    p.only(("input", "cached_input", "cache_write", "cache_write_1h", "output", "reasoning"))
     return Prices(input=p.number("input"), cached_input=p.number("cached_input"),
                   output=p.number("output"), cache_write=p.optional_number("cache_write"),
-                  cache_write_1h=p.optional_number("cache_write_1h"))
+                  cache_write_1h=p.optional_number("cache_write_1h"), reasoning=p.optional_number("reasoning"))
 
 
 def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
@@ -278,12 +281,12 @@ def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
     b = f.sub("batch")
     if b is None:
         return None, ""
-    b.only(("input", "output", "cached_input", "cache_write", "cache_write_1h", "discount", "assumption"))
+    b.only(("input", "output", "cached_input", "cache_write", "cache_write_1h", "reasoning", "discount", "assumption"))
     assumed = b.data.get("assumption", False)
     if not isinstance(assumed, bool):
         raise b.fail(f"'batch.assumption' must be true or false, got {assumed!r}")
     if b.has("discount"):
-        for key in ("input", "output", "cached_input", "cache_write", "cache_write_1h"):
+        for key in ("input", "output", "cached_input", "cache_write", "cache_write_1h", "reasoning"):
             if b.has(key):
                 raise b.fail(f"give either 'batch.discount' or batch prices, not both (found 'batch.{key}')")
         discount = b.number("discount", max_value=Decimal(1))
@@ -300,8 +303,12 @@ def _batch(f: Fields, base: Prices) -> tuple[Prices | None, str]:
     write_1h = b.optional_number("cache_write_1h")
     if write_1h is None and base.cache_write_1h is not None:
         write_1h = _follow(base.cache_write_1h, batch_in, base)
+    reasoning = b.optional_number("reasoning")
+    if reasoning is None and base.reasoning is not None:  # follows the batch/list output ratio
+        reasoning = (base.reasoning * batch_out / base.output).quantize(PRICE_QUANTUM, rounding=ROUND_HALF_EVEN) \
+            if base.output else base.reasoning
     note = "published" + (" (assumption)" if assumed else "")
-    return Prices(batch_in, cached, batch_out, write, write_1h), note
+    return Prices(batch_in, cached, batch_out, write, write_1h, reasoning), note
 
 
 def _follow(list_price: Decimal, batch_input: Decimal, base: Prices) -> Decimal:

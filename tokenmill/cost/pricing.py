@@ -21,6 +21,9 @@ Rules, applied in this order:
    the whole request, batch or not. Exactly `threshold_tokens` is not long context.
 3. **Cache write** with no cache-write price on the card is billed as plain input; a
    1h write with no 1h price, as a cache write. `cache_write_usd` holds both kinds.
+4. **Reasoning.** `reasoning_tokens` (thinking, tags included) are part of
+   `output_tokens`; they are billed at the card's reasoning price, which is its output
+   price unless the card states one (scaled by the same batch and long-context rules).
 
 All arithmetic is `Decimal` at high precision, so each part is exact and
 `total_usd` is exactly the sum of the parts. `Cost.to_dict()` is what a response
@@ -51,6 +54,7 @@ class Rates:
     cached_input: Decimal
     cache_write: Decimal
     output: Decimal
+    reasoning: Decimal
     cache_write_1h: Decimal = Decimal(0)
 
 
@@ -70,7 +74,8 @@ def rates(card: RateCard, *, batch: bool = False, long_context: bool = False) ->
     with localcontext(prec=_PRECISION):
         return Rates(input=prices.input / MILLION, cached_input=prices.cached_input / MILLION,
                      cache_write=write / MILLION, output=prices.output / MILLION,
-                     cache_write_1h=write_1h / MILLION)
+                     cache_write_1h=write_1h / MILLION,
+                     reasoning=(prices.output if prices.reasoning is None else prices.reasoning) / MILLION)
 
 
 @dataclass(frozen=True)
@@ -80,12 +85,13 @@ class Cost:
     input_usd: Decimal  # plain (uncached) prompt tokens
     cached_input_usd: Decimal
     cache_write_usd: Decimal
-    output_usd: Decimal
+    output_usd: Decimal  # output tokens other than reasoning
     total_usd: Decimal
     card: str
     currency: str = "USD"
     batch: bool = False  # batch prices were used
     long_context: bool = False  # the long-context multipliers were applied
+    reasoning_usd: Decimal = Decimal(0)  # reasoning output tokens (in total_usd)
 
     def to_dict(self, exact: bool = False) -> dict[str, Any]:
         """The `usage.cost` object: USD as floats (nearest double of the exact value),
@@ -98,6 +104,7 @@ class Cost:
             "cached_input_usd": conv(self.cached_input_usd),
             "cache_write_usd": conv(self.cache_write_usd),
             "output_usd": conv(self.output_usd),
+            "reasoning_usd": conv(self.reasoning_usd),
             "total_usd": conv(self.total_usd),
             "currency": self.currency,
             "card": self.card,
@@ -105,11 +112,12 @@ class Cost:
 
 
 def price(card: RateCard, *, input_tokens: int, cached_tokens: int = 0, cache_write_tokens: int = 0,
-          output_tokens: int, batch: bool = False, cache_write_1h_tokens: int = 0) -> Cost:
+          output_tokens: int, reasoning_tokens: int = 0, batch: bool = False,
+          cache_write_1h_tokens: int = 0) -> Cost:
     """The exact cost of one request under `card` (rules in the module docstring)."""
     for name, value in (("input_tokens", input_tokens), ("cached_tokens", cached_tokens),
                         ("cache_write_tokens", cache_write_tokens), ("output_tokens", output_tokens),
-                        ("cache_write_1h_tokens", cache_write_1h_tokens)):
+                        ("reasoning_tokens", reasoning_tokens), ("cache_write_1h_tokens", cache_write_1h_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise PricingError(f"{name} must be a non-negative integer, got {value!r}")
     if cache_write_1h_tokens > cache_write_tokens:
@@ -118,12 +126,16 @@ def price(card: RateCard, *, input_tokens: int, cached_tokens: int = 0, cache_wr
     if cached_tokens + cache_write_tokens > input_tokens:
         raise PricingError(f"cached_tokens ({cached_tokens}) + cache_write_tokens ({cache_write_tokens}) "
                            f"exceed input_tokens ({input_tokens}), which includes them")
+    if reasoning_tokens > output_tokens:
+        raise PricingError(f"reasoning_tokens ({reasoning_tokens}) exceed output_tokens ({output_tokens}), "
+                           "which includes them")
     long_context = is_long_context(card, input_tokens)
     r = rates(card, batch=batch, long_context=long_context)
     plain = input_tokens - cached_tokens - cache_write_tokens
     with localcontext(prec=_PRECISION):
         write = (cache_write_tokens - cache_write_1h_tokens) * r.cache_write + cache_write_1h_tokens * r.cache_write_1h
-        parts = (plain * r.input, cached_tokens * r.cached_input, write, output_tokens * r.output)
-        total = sum(parts, Decimal(0))
+        parts = (plain * r.input, cached_tokens * r.cached_input, write, (output_tokens - reasoning_tokens) * r.output)
+        reasoning = reasoning_tokens * r.reasoning
+        total = sum(parts, reasoning)
     return Cost(*parts, total_usd=total, card=card.name, currency=card.currency,
-                batch=batch and card.batch is not None, long_context=long_context)
+                batch=batch and card.batch is not None, long_context=long_context, reasoning_usd=reasoning)

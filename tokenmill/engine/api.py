@@ -116,7 +116,8 @@ class RequestLimits:
             prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
             logit_bias=dict(params.logit_bias) if params.logit_bias else None, structured=params.structured,
-            speculative=params.speculative, cache_pins=tuple(params.cache_pins))
+            speculative=params.speculative, cache_pins=tuple(params.cache_pins), thinking=params.thinking,
+            thinking_token_budget=params.thinking_token_budget if params.thinking is not None else None)
 
     def check_token_ids(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -199,6 +200,18 @@ class RequestLimits:
                   f"a cache_control ttl must be one of {', '.join(CACHE_TTLS)}")
             check(isinstance(pin.num_tokens, int) and pin.num_tokens >= 1, "cache_control",
                   "a cache_control breakpoint must follow at least one prompt token")
+        if p.thinking_token_budget is not None:
+            integer("thinking_token_budget", 1, _INT64_MAX)
+            check(p.thinking is not None, "thinking_token_budget",
+                  "thinking_token_budget needs a thinking model (serve --reasoning-parser)")
+            least = p.thinking.min_budget
+            check(p.thinking_token_budget >= least, "thinking_token_budget",
+                  f"thinking_token_budget must be at least {least} (the thinking tags' tokens), "
+                  f"got {p.thinking_token_budget}")
+        if p.thinking is not None:
+            tags = p.thinking.open_ids + p.thinking.close_ids
+            check(bool(p.thinking.close_ids) and all(0 <= t < self.vocab_size for t in tags), "thinking",
+                  "the thinking tags must be token ids of this model")
         if p.structured is not None:
             from tokenmill.engine.structured.grammar import validate  # llguidance, no torch
 

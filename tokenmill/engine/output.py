@@ -148,4 +148,5 @@ class OutputProcessor:
             num_output_tokens=req.num_output_tokens, logprobs=logprobs, prompt_logprobs=plp,
             times=req.times if finished else None,
             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+            num_reasoning_tokens=req.num_reasoning_tokens,
         )

@@ -55,6 +55,7 @@ class Request:
         self.num_preemptions = 0
         self.num_draft_tokens = 0  # speculative drafts checked by the model
         self.num_accepted_tokens = 0  # of those, accepted
+        self.num_reasoning_tokens = 0  # of the output, inside its thinking block (engine/thinking.py)
         self.stop_reason: int | str | None = None
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
         self.arrival_seq = 0  # set by the scheduler: FCFS order within a priority class

@@ -234,11 +234,18 @@ class ModelRunner:
             b.banned = banned
         if any(p.logit_bias for p in params):
             b.logit_bias = LogitBias.from_maps([p.logit_bias for p in params])
-        constrained = [j for j, p in enumerate(params) if p.structured is not None]
-        if constrained and masks is not None and masks.grammar_rows:
+        mask = None
+        if masks is not None and masks.grammar_rows:  # (a thinking row has no grammar until its answer)
             index = {key: i for i, key in enumerate(masks.grammar_rows)}
-            picked = [index[(rows[j].request_id, rows[j].num_drafts_before)] for j in constrained]
-            b.token_mask = TokenMask.from_bitmask(constrained, masks.grammar_bitmask[picked], self.vocab_size)
+            constrained = [j for j, s in enumerate(rows) if (s.request_id, s.num_drafts_before) in index]
+            if constrained:
+                picked = [index[(rows[j].request_id, rows[j].num_drafts_before)] for j in constrained]
+                mask = TokenMask.from_bitmask(constrained, masks.grammar_bitmask[picked], self.vocab_size)
+        forced = [j for j, s in enumerate(rows) if s.forced_token_id is not None]
+        if forced:
+            only = TokenMask.only(forced, [rows[j].forced_token_id for j in forced], self.vocab_size)
+            mask = only if mask is None else mask.join(only)
+        b.token_mask = mask
         want = [p.logprobs for p in params if p.logprobs is not None]
         if want:
             b.num_logprobs = max(want)

@@ -117,6 +117,17 @@ class TokenMask:
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
         return cls(rows, bits == 0)
 
+    @classmethod
+    def only(cls, rows: list[int], token_ids: list[int], vocab_size: int) -> TokenMask:
+        """Each row may sample its one token alone (a forced token)."""
+        blocked = np.ones((len(rows), vocab_size), dtype=bool)
+        blocked[np.arange(len(rows)), token_ids] = False
+        return cls(rows, blocked)
+
+    def join(self, other: TokenMask) -> TokenMask:
+        """Both masks' rows (no row in both)."""
+        return TokenMask(self.rows + other.rows, np.concatenate([self.blocked, other.blocked]))
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of logits [B, V] fp32 with the blocked tokens at -inf."""
         arr = logits.detach().to("cpu", torch.float32).numpy().copy()

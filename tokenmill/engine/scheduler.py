@@ -25,6 +25,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.spec import Speculator
 from tokenmill.engine.step_budget import BatchShare, StepBudget
+from tokenmill.engine.thinking import ThinkingBudgets
 from tokenmill.engine.types import Priority
 from tokenmill.engine.waiting import WaitingQueue
 from tokenmill.kv.manager import KVCacheManager
@@ -57,6 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.groups = SampleGroups()
         self.share = BatchShare()
+        self.thinking = ThinkingBudgets()
         self._finished_ids: list[str] = []
         self._arrivals = 0
         self._admissions = 0
@@ -164,10 +166,21 @@ class Scheduler:
         drafts: dict[str, list[int]] = {}
         for rid, d in self.spec.plan(decodes, prefill, budget.tokens).items():
             req = budget.chosen[rid][0]
+            d = self._thinking_drafts(req, d)
+            if not d:
+                continue
             if self.kv.allocate_slots(req, 1 + len(d)) is not None:
                 budget.extend(req, len(d))
                 drafts[rid] = d
         return drafts
+
+    def _thinking_drafts(self, req: Request, d: list[int]) -> list[int]:
+        """Drafts a thinking request may check: a step makes at most its room (no drafts
+        past a forced token), and none while a grammar waits for the answer to begin."""
+        if req.params.structured is not None and not self.thinking.in_answer(req):
+            return []
+        room = self.thinking.room(req)
+        return d if room is None else d[:room - 1]
 
     def _plan_bursts(self, budget: StepBudget, drafts: dict[str, list[int]]) -> int:
         """Bursts only when this step admitted and preempted no one and every request
@@ -177,7 +190,7 @@ class Scheduler:
         chosen = budget.chosen
         if (self.config.decode_steps > 1 and not budget.preempted and chosen and not drafts
                 and all(r.num_tokens - r.num_computed_tokens == 1 for r, _ in chosen.values())):
-            return burst_steps(self.config, self.kv, [r for r, _ in chosen.values()])
+            return burst_steps(self.config, self.kv, [r for r, _ in chosen.values()], self.thinking.room)
         return 1
 
     def _output(self, budget: StepBudget, drafts: dict[str, list[int]], num_steps: int) -> SchedulerOutput:
@@ -204,17 +217,29 @@ class Scheduler:
                 banned_token_ids=(list(req.eos_token_ids) + list(sp.stop_token_ids)
                                   if req.num_output_tokens < sp.min_tokens else []),
                 draft_token_ids=d,
+                forced_token_id=self.thinking.forced(req) if end == req.num_tokens else None,
             )
             out.scheduled.append(sr)
             out.num_scheduled_tokens += num_new
-            if sr.sample and sp.structured is not None and self.constraints is not None:
+            if (sr.sample and sp.structured is not None and self.constraints is not None
+                    and sr.forced_token_id is None and self._grammar_applies(req)):
                 out.grammar_rows += [(req.request_id, j) for j in range(len(d) + 1)]
         if out.grammar_rows:
             ahead = None
             if any(j for _, j in out.grammar_rows):
                 ahead = [drafts.get(rid, [])[:j] for rid, j in out.grammar_rows]
             out.grammar_bitmask = self.constraints.fill_bitmask([rid for rid, _ in out.grammar_rows], ahead)
+            for row, (rid, _) in enumerate(out.grammar_rows):
+                req = self.requests[rid]
+                if self.thinking.in_start(req):  # the reply may open its thinking instead
+                    tok = req.params.thinking.open_ids[0]
+                    out.grammar_bitmask.view("uint32")[row, tok // 32] |= 1 << (tok % 32)
         return out
+
+    def _grammar_applies(self, req: Request) -> bool:
+        """A grammar constrains the answer after a thinking block; while the reply may still
+        open one, the block's opening token is allowed beside the grammar's (fill_bitmask)."""
+        return self.thinking.in_answer(req) or self.thinking.in_start(req)
 
     def _slot_victim(self, req: Request, per_tenant: dict[str | None, int]) -> Request | None:
         """When every sequence slot is taken: a running request that should yield its slot
@@ -309,7 +334,8 @@ class Scheduler:
                     req.num_computed_tokens += 1
                 req.output_token_ids.append(tok)
                 req.times.tokens.append(now)
-                if (req.params.structured is not None and self.constraints is not None
+                answer = self.thinking.observe(req, tok)  # (a grammar sees the answer after the thinking)
+                if (answer and req.params.structured is not None and self.constraints is not None
                         and self.constraints.accept(req.request_id, tok)):
                     status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
                     break
@@ -329,6 +355,7 @@ class Scheduler:
         drafts may have made, are dropped, and the request finishes as stopped."""
         del req.output_token_ids[num_output_tokens:]
         del req.times.tokens[num_output_tokens:]
+        self.thinking.replay(req)
         req.stop_reason = reason
         if req.finished:  # ended on a later token (length, EOS): only its reason changes
             req.status = RequestStatus.FINISHED_STOPPED
@@ -366,6 +393,7 @@ class Scheduler:
             self.spec.finished(req, aborted=status == RequestStatus.FINISHED_ABORTED)
         if req.params.structured is not None and self.constraints is not None:
             self.constraints.free(request_id)
+        self.thinking.free(request_id)
         req.status = status
         req.times.finished = time.monotonic()
         self._finished_ids.append(request_id)

@@ -74,6 +74,22 @@ class CachePin:
     ttl_s: int
 
 
+@dataclass(frozen=True)
+class ThinkingTags:
+    """A thinking model's reasoning block as token ids (the server finds them in its
+    tokenizer; the engine sees ids only). The engine counts the reply's reasoning tokens
+    (tags included) and, with a budget, closes the block when it is spent."""
+    open_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
+    inside: bool = False  # the prompt opened the block: the reply starts thinking
+    always: bool = False  # the reply thinks from its first token (deepseek_r1), opened or not
+
+    @property
+    def min_budget(self) -> int:
+        """The fewest reasoning tokens a budget may allow: room for the tags."""
+        return len(self.close_ids) + (0 if self.inside else len(self.open_ids))
+
+
 @dataclass
 class SamplingParams:
     """How one request wants its tokens chosen and when it wants to stop, as the client
@@ -103,6 +119,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # output constrained by a grammar (None: free text)
     speculative: bool = True  # False: no speculative drafts for this request (the output is the same)
     cache_pins: tuple[CachePin, ...] = ()  # prompt prefixes to keep cached (cache_control)
+    thinking: ThinkingTags | None = None  # a thinking model's tags (None: replies are not parsed for thinking)
+    thinking_token_budget: int | None = None  # most reasoning tokens, tags included (None: unbounded)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -166,6 +184,8 @@ class ResolvedParams:
     structured: StructuredOutput | None
     speculative: bool
     cache_pins: tuple[CachePin, ...]
+    thinking: ThinkingTags | None = None
+    thinking_token_budget: int | None = None  # set only with thinking
 
     @property
     def has_penalties(self) -> bool:
@@ -214,6 +234,7 @@ class RequestOutput:
     # prompt tokens this request wrote to the cache under its cache pins, by TTL in seconds
     # (tokens it read from the cache are num_cached_tokens)
     cache_write_tokens: dict[int, int] = field(default_factory=dict)
+    num_reasoning_tokens: int = 0  # of the output so far, inside the thinking block (tags included)
 
 
 @dataclass
@@ -226,9 +247,11 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0
     times: RequestTimes | None = None
 
     def add(self, out: RequestOutput) -> None:
+        self.num_reasoning_tokens = out.num_reasoning_tokens
         self.text += out.text
         self.token_ids += out.new_token_ids
         if out.logprobs:

@@ -29,6 +29,7 @@ from tokenmill.server.metrics import Metrics
 from tokenmill.server.middleware import Frontdoor, ServerState, bounded_route
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.serving import RequestContext, new_id
+from tokenmill.server.reasoning import ChatReasoning
 from tokenmill.server.serving_chat import ServingChat
 from tokenmill.server.serving_completion import ServingCompletion
 from tokenmill.server.stats import StatsWindow, TenantTotals, engine_block, registry_totals
@@ -45,6 +46,7 @@ class ServerConfig:
     port: int = 8000
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     chat_template: str | None = None  # a Jinja source replacing the model's own template
+    reasoning_parser: str | None = None  # deepseek_r1, qwen3, none; None: chosen from the chat template
 
 
 @dataclass
@@ -123,6 +125,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     if config.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(config.chat_template)
     chat = ServingChat(engine, tokenizer, model_name, metrics)
+    chat.reasoning = ChatReasoning.choose(config.reasoning_parser, tokenizer)
     completion = ServingCompletion(engine, tokenizer, model_name, metrics)
 
     runner = None

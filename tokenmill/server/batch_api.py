@@ -100,7 +100,8 @@ class ServerLineExecutor:
             c = self.pricer.cost(usage, batch=True)
             cost, card = c.total_usd, c.card
         return LineOutcome(200, answer, request_id, input_tokens=usage.get("prompt_tokens", 0), cached_tokens=cached,
-                           output_tokens=usage.get("completion_tokens", 0), cost_usd=cost, cost_card=card)
+                           output_tokens=usage.get("completion_tokens", 0), cost_usd=cost, cost_card=card,
+                           reasoning_tokens=(usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0))
 
 
 class BatchCollector:

@@ -75,7 +75,8 @@ def build_server(options: ServeOptions) -> FastAPI:
     if engine.served().tokenizer is None:
         raise OptionError("this model has no tokenizer; the server needs one")
     config = ServerConfig(host=options.host, port=options.port,
-                          shutdown_timeout_s=options.shutdown_timeout, chat_template=template)
+                          shutdown_timeout_s=options.shutdown_timeout, chat_template=template,
+                          reasoning_parser=options.reasoning_parser)
     return build_app(engine, config, policy, tracer_provider=tracer_provider, autotune=autotune)
 
 

@@ -175,6 +175,8 @@ class Metrics:
         self.cached_tokens = Counter("tokenmill_cached_prompt_tokens", "Prompt tokens served from cache.",
                                      registry=r)
         self.generation_tokens = Counter("tokenmill_generation_tokens", "Output tokens.", registry=r)
+        self.reasoning_tokens = Counter("tokenmill_reasoning_tokens",
+                                        "Output tokens inside thinking blocks (tags included).", registry=r)
         self.requests = Counter("tokenmill_requests", "Finished samples by finish reason.",
                                 ["finish_reason"], registry=r)
         self.responses = Counter("tokenmill_http_responses", "HTTP responses by status code.",
@@ -217,6 +219,7 @@ class Metrics:
             self.cached_tokens.inc(out.num_cached_tokens)
         self.output_len.observe(out.num_output_tokens)
         self.generation_tokens.inc(out.num_output_tokens)
+        self.reasoning_tokens.inc(out.num_reasoning_tokens)
         self.requests.labels(finish_reason=out.finish_reason or "unknown").inc()
 
     def observe_loop_lag(self, lag_s: float) -> None:

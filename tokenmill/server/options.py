@@ -73,6 +73,10 @@ class ServeOptions:
         None, "--chat-template", "A Jinja chat template file to use instead of the model's own (as transformers "
                                  "renders it; one that mentions `tools` gets the request's tools and tool calls "
                                  "as they are).")
+    reasoning_parser: str | None = option(
+        None, "--reasoning-parser", "Split <think>...</think> from the answer into reasoning_content: deepseek_r1 (the "
+                                    "reply thinks from its first token), qwen3 (it thinks if it opens <think>), or none; "
+                                    "default: qwen3 when the chat template mentions <think>, else none.")
     kv_cache_gb: float | None = option(None, "--kv-cache-gb", "KV cache size (default: 1/4 of free memory, max 2 GiB).")
     kv_cache_dtype: str = option("auto", "--kv-cache-dtype",
                                  "auto: the model's dtype; int8: K/V rows in int8 with a scale each (half of bf16's "
@@ -203,6 +207,8 @@ class ServeOptions:
                               "--slo-percentile in [50, 100)")
         if self.batch_api and (self.batch_inflight < 1 or self.batch_max_lines < 1 or self.batch_max_file_mb <= 0):
             raise OptionError("--batch-inflight, --batch-max-lines and --batch-max-file-mb must be positive")
+        if self.reasoning_parser not in (None, "none", "deepseek_r1", "qwen3"):
+            raise OptionError(f"--reasoning-parser must be one of deepseek_r1, qwen3, none, got {self.reasoning_parser!r}")
         if self.engine_mode not in ENGINE_MODES:
             raise OptionError(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}")
         self._check_cluster()

@@ -22,7 +22,9 @@ class Pricer:
         return price(self.card, input_tokens=usage["prompt_tokens"], cached_tokens=details.get("cached_tokens", 0),
                      cache_write_tokens=details.get("cache_write_tokens", 0),
                      cache_write_1h_tokens=usage.get("cache_creation", {}).get("ephemeral_1h_input_tokens", 0),
-                     output_tokens=usage["completion_tokens"], batch=batch)
+                     output_tokens=usage["completion_tokens"],
+                     reasoning_tokens=usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0),
+                     batch=batch)
 
     def attach(self, ctx) -> None:
         """Price the final usage in-band, and record spend however the request ends."""

@@ -227,11 +227,17 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's prompt-cache hint: accepted; it routes nothing here (one engine holds the
     # cache, and every prompt is cached automatically). cache_control breakpoints pin.
     prompt_cache_key: StrictStr | None = None
+    # thinking models (tokenmill/server/reasoning.py): a budget of reasoning tokens, or an
+    # effort mapped to one; the template's own switches (enable_thinking)
+    thinking_token_budget: StrictInt | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # set by the server from its tokenizer: the call tags are tokens of their own
     _tag_tokens: bool = PrivateAttr(default=False)
     # computed once a request: the checked tools by name, and the output constraint
     _tools: dict[str, dict[str, Any]] | None = PrivateAttr(default=None)
     _constraint: tuple[StructuredOutput | None, str] | None = PrivateAttr(default=None)
+    _thinking: Any = PrivateAttr(default=None)  # the request's ThinkingTags, with a reasoning parser
 
     def for_tokenizer(self, tag_tokens: bool) -> "ChatCompletionRequest":
         self._tag_tokens = tag_tokens

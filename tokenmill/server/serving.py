@@ -158,10 +158,13 @@ class BaseServing:
 
     @staticmethod
     def usage(prompt_tokens: int, cached: int, completion_tokens: int,
-              spec: SpecTally | None = None, cache_writes: dict[int, int] | None = None) -> dict[str, Any]:
-        """OpenAI's usage; `cache_writes` (the request marked cache_control breakpoints): the
+              spec: SpecTally | None = None, cache_writes: dict[int, int] | None = None,
+              reasoning_tokens: int | None = None) -> dict[str, Any]:
+        """OpenAI's usage. `cache_writes` (the request marked cache_control breakpoints): the
         prompt tokens it wrote to the cache by TTL in seconds, reported beside the reads,
-        also under Anthropic's names (whose parts, like OpenAI's, are of prompt_tokens here)."""
+        also under Anthropic's names (whose parts, like OpenAI's, are of prompt_tokens here).
+        `reasoning_tokens`: of the completion tokens, those inside thinking blocks (None: the
+        model does not think, and usage has no completion_tokens_details)."""
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": cached}}
@@ -172,6 +175,8 @@ class BaseServing:
             usage["cache_creation_input_tokens"] = written
             usage["cache_creation"] = {"ephemeral_5m_input_tokens": cache_writes.get(CACHE_TTLS["5m"], 0),
                                        "ephemeral_1h_input_tokens": cache_writes.get(CACHE_TTLS["1h"], 0)}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         if spec is not None and spec.draft_tokens:
             usage["speculative"] = spec.as_dict()
         return usage

@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from tokenmill.engine.api import CachePin, Choice, TokenLogprob
 from tokenmill.server.errors import APIError
+from tokenmill.server import reasoning as thinking
 from tokenmill.server import tools as tool_calls
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving import (BaseServing, RequestContext, SpecTally, json_response, now,
@@ -21,6 +22,7 @@ from tokenmill.server.serving import (BaseServing, RequestContext, SpecTally, js
 
 class ServingChat(BaseServing):
     _tag_tokens: bool | None = None  # tools.tags_are_tokens of this tokenizer, found on first use
+    reasoning: thinking.ChatReasoning | None = None  # the reasoning parser (server/reasoning.py), if any
 
     async def create(self, body: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         if not body.stream:
@@ -52,11 +54,15 @@ class ServingChat(BaseServing):
     async def prepare_body(self, body: ChatCompletionRequest, ctx: RequestContext) -> tuple[list[int], Any]:
         """Everything checked and the prompt tokenized: (prompt ids, params to run). With
         no gate on ctx this is only the check (a batch line's validation)."""
-        ids = await self.render(body)
+        text = await self.render_text(body)
+        ids = await self.encode(text, "messages", add_special_tokens=False)
         if self._tag_tokens is None:
             self._tag_tokens = tool_calls.tags_are_tokens(self.tokenizer)
         body.for_tokenizer(self._tag_tokens)
         params = body.sampling_params()
+        params.thinking_token_budget = body.thinking_token_budget  # (refused without a reasoning parser)
+        if self.reasoning is not None:
+            body._thinking = self.reasoning.apply(text, params, body.thinking_token_budget, body.reasoning_effort)
         if body.uses_cache_control:
             params = dataclasses.replace(params, cache_pins=await self._cache_pins(body, ids))
         return ids, self.prepare(ctx, [ids], params, body.param_renames())
@@ -64,19 +70,24 @@ class ServingChat(BaseServing):
     async def render(self, body: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
         """The prompt's token ids: messages and tools checked, rendered by the chat
         template, tokenized (the template writes its own special tokens)."""
+        return await self.encode(await self.render_text(body), "messages", add_special_tokens=add_special_tokens)
+
+    async def render_text(self, body: ChatCompletionRequest) -> str:
+        """The prompt as the chat template renders it, messages and tools checked first."""
         self.check_model(body.model)
         bounds = self.engine.bounds
         if len(body.messages) > bounds.max_messages:
             raise APIError(400, f"at most {bounds.max_messages} messages per request, got {len(body.messages)}",
                            param="messages")
         body.tools_by_name()  # tools and tool_choice checked before anything is rendered
+        kwargs = thinking.template_kwargs(body.chat_template_kwargs)
         try:
             messages, tools = self._with_tools(body, [m.as_template_dict() for m in body.messages])
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                           body.add_generation_prompt, tools=tools)
+                                           body.add_generation_prompt, tools=tools, **kwargs)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
-        return await self.encode(text, "messages", add_special_tokens=add_special_tokens)
+        return text
 
     async def _cache_pins(self, body: ChatCompletionRequest, ids: list[int]) -> tuple[CachePin, ...]:
         """The cache_control breakpoints as token counts: each marked prefix of the messages
@@ -105,16 +116,28 @@ class ServingChat(BaseServing):
             return tool_calls.template_messages(messages), tools
         return tool_calls.render_messages(messages, tools), None
 
-    @staticmethod
-    def _answer(body: ChatCompletionRequest, c: Choice) -> tuple[dict[str, Any], str | None]:
-        """The message and finish reason of a finished choice: its tool calls parsed out
-        when tools were offered."""
+    def _answer(self, body: ChatCompletionRequest, c: Choice) -> tuple[dict[str, Any], str | None]:
+        """The message and finish reason of a finished choice: its thinking split off
+        with a reasoning parser, then tool calls parsed out of the answer when tools were
+        offered."""
+        text, extra = c.text, {}
+        if body._thinking is not None:
+            reasoning, answer = thinking.split(self.reasoning.kind, c.text, body._thinking.inside)
+            text, extra = answer or "", {"reasoning_content": reasoning}
         if body.tools_active:
-            content, calls = tool_calls.parse_calls(c.text, body.tools_by_name())
+            content, calls = tool_calls.parse_calls(text, body.tools_by_name())
             if calls:
                 finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-                return {"role": "assistant", "content": content, "tool_calls": [t.as_dict() for t in calls]}, finish
-        return {"role": "assistant", "content": c.text}, c.finish_reason
+                return {"role": "assistant", "content": content, **extra,
+                        "tool_calls": [t.as_dict() for t in calls]}, finish
+        if body._thinking is not None and not text:
+            text = None  # all thinking (it never closed), as vLLM gives it
+        return {"role": "assistant", "content": text, **extra}, c.finish_reason
+
+    @staticmethod
+    def _reasoning_tokens(body: ChatCompletionRequest, counts: list[int]) -> int | None:
+        """usage's reasoning_tokens: with a reasoning parser, the choices' (tags included)."""
+        return sum(counts) if body._thinking is not None else None
 
     def _logprob_entries(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
         return [
@@ -140,7 +163,8 @@ class ServingChat(BaseServing):
                 cached, writes = out.num_cached_tokens, out.cache_write_tokens
             self.progress(ctx, num_prompt, cached, sum(c.num_output_tokens for c in choices.values()))
         usage = self.usage(num_prompt, cached, sum(c.num_output_tokens for c in choices.values()), spec,
-                           writes if body.uses_cache_control else None)
+                           writes if body.uses_cache_control else None,
+                           self._reasoning_tokens(body, [c.num_reasoning_tokens for c in choices.values()]))
         answers = {c.index: self._answer(body, c) for c in choices.values()}
         return {
             "id": ctx.request_id, "object": "chat.completion", "created": now(), "model": self.model_name,
@@ -174,6 +198,8 @@ class ServingChat(BaseServing):
         parsers = None  # with tools: one parser per choice splits content from calls
         if body.tools_active:
             parsers = [tool_calls.StreamParser(body.tools_by_name()) for _ in range(body.n)]
+        thinkers = [self.reasoning.parser(body._thinking) for _ in range(body.n)] if body._thinking else None
+        reasoning = [0] * body.n
         spec = SpecTally()
         async for out in stream:
             self.record(ctx, out)
@@ -183,14 +209,19 @@ class ServingChat(BaseServing):
                 cached, writes = out.num_cached_tokens, out.cache_write_tokens
             self.progress(ctx, num_prompt, cached, sum(outputs))
             lps = {"content": self._logprob_entries(out.logprobs)} if (body.logprobs and out.logprobs) else None
+            reasoning[out.index] = out.num_reasoning_tokens
+            piece, thought = out.text, {}  # the answer's text, and the reasoning beside it
+            if thinkers is not None:
+                r, piece = thinkers[out.index].step(out.text, out.finished)
+                thought = {"reasoning_content": r} if r else {}
             if parsers is not None:  # tool calls are sent whole, each as its block closes
                 p = parsers[out.index]
                 n_before = len(p.calls)
-                text, calls = p.feed(out.text)
+                text, calls = p.feed(piece)
                 if out.finished:
                     rest, late = p.finish()
                     text, calls = text + rest, calls + late
-                delta: dict[str, Any] = {"content": text} if text else {}
+                delta: dict[str, Any] = {**thought, **({"content": text} if text else {})}
                 if calls:
                     delta["tool_calls"] = [{"index": n_before + k, **c.as_dict()} for k, c in enumerate(calls)]
                 finish = out.finish_reason if out.finished else None
@@ -198,12 +229,13 @@ class ServingChat(BaseServing):
                     finish = "tool_calls"
                 if delta or lps or out.finished:
                     yield chunk(out.index, delta, finish, lps, out.stop_reason if out.finished else None)
-            elif out.text or lps or out.finished:
-                delta = {"content": out.text} if out.text else {}
+            elif piece or thought or lps or out.finished:
+                delta = {**thought, **({"content": piece} if piece else {})}
                 yield chunk(out.index, delta, out.finish_reason if out.finished else None, lps,
                             out.stop_reason if out.finished else None)
         usage = self.finish_usage(ctx, self.usage(num_prompt, cached, sum(outputs), spec,
-                                                  writes if body.uses_cache_control else None))
+                                                  writes if body.uses_cache_control else None,
+                                                  self._reasoning_tokens(body, reasoning)))
         if include_usage:
             yield {**base, "choices": [], "usage": usage}
 
