@@ -3,7 +3,7 @@ left memory (evicted by other prompts) and after a restart, read back from disk,
 recomputing it cold. Files are read from the OS page cache where it still holds them
 (a machine's first read after a reboot comes from the device).
 
-    python benchmarks/kv_disk.py [--config serve] [--prompt-tokens 2500] [--repeat 3]
+    python -m benchmarks.engine.kv_disk [--config serve] [--prompt-tokens 2500] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -11,17 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from common import CONFIGS, eval_ids  # noqa: E402
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from tokenmill.engine.api import SamplingParams  # noqa: E402
-from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
+from benchmarks.common import CONFIGS, eval_ids
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.api import SamplingParams
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.model.loader import load_model
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
 PRECISIONS = dict(CONFIGS, serve=("bfloat16", "auto"))  # serve: what `tokenmill serve` runs by default
