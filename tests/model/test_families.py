@@ -390,11 +390,12 @@ def _quantized(kind: str, folder):
     return load_model(str(folder), "bfloat16", "int4")
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_fused_decode_step_equals_separate_ops(tmp_path, kind):
+@pytest.mark.parametrize("kind,kv", [(k, "auto") for k in sorted(KINDS)] + [("gemma3", "int8")])
+def test_fused_decode_step_equals_separate_ops(tmp_path, kind, kv):
     """Decode steps of 1-3 rows as one native call (QK-norm, Gemma's output norms, GeGLU,
-    scaled embeddings, the sliding window with its own RoPE, head_dim 256) give the
-    tokens and logprobs of the model's separate native ops, as decodes cross the window."""
+    scaled embeddings, the sliding window with its own RoPE, head_dim 256; an int8 KV
+    cache) give the tokens and logprobs of the model's separate native ops, as decodes
+    cross the window."""
     if ops is None or not ops.decode_step_available():
         pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     loaded = _quantized(kind, tmp_path)
@@ -403,7 +404,8 @@ def test_fused_decode_step_equals_separate_ops(tmp_path, kind):
                 for (rid, (ids, _)), n in zip(_three(8, SamplingParams()).items(), (14, 10, 6))}
     results = {}
     for fused in (True, False):
-        engine = make_engine(loaded, num_blocks=64, block_size=4, decode_steps=1, prefix_caching=False)
+        engine = make_engine(loaded, num_blocks=64, block_size=4, decode_steps=1, prefix_caching=False,
+                             kv_cache_dtype=kv)
         decoder = engine.runner.fused
         assert decoder is not None and decoder.has_head, "the model has no fused step"
         if fused:
