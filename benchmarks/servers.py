@@ -41,9 +41,9 @@ def busy_jiffies() -> int:
     return user + nice + system + irq + softirq + steal
 
 
-def _group_jiffies(pgid: int) -> int:
-    """CPU time of every live process in process group `pgid` (a server and its children)."""
-    total = 0
+def group_processes(pgid: int):
+    """(/proc entry, the fields of its stat after the name) of every live process in
+    process group `pgid` (a server and its children)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -52,8 +52,12 @@ def _group_jiffies(pgid: int) -> int:
         except (OSError, IndexError):
             continue  # gone meanwhile
         if int(rest[2]) == pgid:
-            total += int(rest[11]) + int(rest[12])  # utime + stime
-    return total
+            yield entry, rest
+
+
+def _group_jiffies(pgid: int) -> int:
+    """CPU time of every live process in process group `pgid`."""
+    return sum(int(rest[11]) + int(rest[12]) for _, rest in group_processes(pgid))  # utime + stime
 
 
 class CpuWatch:

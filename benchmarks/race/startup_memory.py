@@ -22,11 +22,10 @@ import signal
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 
-from benchmarks.servers import ROOT, free_port, serve_cmd
+from benchmarks.servers import ROOT, free_port, group_processes, serve_cmd
 from tokenmill.model.metadata import default_model_path, load_metadata
 
 LLAMA_SERVER = ROOT / ".peers" / "llama-server" / "bin" / "llama-server"
@@ -34,18 +33,12 @@ LLAMA_SERVER = ROOT / ".peers" / "llama-server" / "bin" / "llama-server"
 
 def group_rss_mb(pgid: int) -> float:
     total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry, _ in group_processes(pgid):
         try:
-            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(rest[2]) != pgid:
-                continue
-            for line in (entry / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
+            total += next((int(line.split()[1]) for line in (entry / "status").read_text().splitlines()
+                           if line.startswith("VmRSS:")), 0)
+        except (OSError, ValueError):
+            continue  # gone meanwhile
     return total / 1024
 
 

@@ -194,23 +194,26 @@ def bench(
             {k: v for k, v in r.items() if k != "requests"} for r in results["runs"]]}, indent=1))
 
 
-def command_line(ctx: Optional[typer.Context]) -> str:
-    """`tokenmill bench` plus the options given on the command line, rebuilt from the parsed
-    parameters (so it reads the same however the command was invoked); the API key is
-    hidden because the command is written into reports."""
+def command_line(ctx: Optional[typer.Context], command: str = "bench") -> str:
+    """`tokenmill COMMAND` plus the arguments and options given on the command line, rebuilt
+    from the parsed parameters (so it reads the same however the command was invoked); the
+    API key is hidden because the command is written into reports."""
     if ctx is None:
-        return shlex.join(["tokenmill", "bench", *sys.argv[1:]])
-    parts = ["tokenmill", "bench"]
+        return shlex.join(["tokenmill", command, *sys.argv[1:]])
+    parts = ["tokenmill", command]
     for param in ctx.command.params:
         name = param.name or ""
         source = ctx.get_parameter_source(name)
         if source is None or source.name != "COMMANDLINE":
             continue
         value = ctx.params.get(name)
-        flag = param.opts[0]
-        if getattr(param, "is_flag", False):
-            if value:
-                parts.append(flag)
-        else:
-            parts += [flag, "***" if name == "api_key" else str(value)]
+        if param.param_type_name == "argument":
+            parts.append(str(value))
+            continue
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if getattr(param, "is_flag", False):
+                if v:
+                    parts.append(param.opts[0])
+            else:
+                parts += [param.opts[0], "***" if name == "api_key" else str(v)]
     return shlex.join(parts)

@@ -19,6 +19,7 @@ import torch
 
 from tokenmill.config import EngineConfig, default_num_threads
 from tokenmill.engine.api import RequestLimits, check_knobs
+from tokenmill.engine.front import generation_defaults
 from tokenmill.engine.types import (EngineStats, GenerationDefaults, InvalidParameter, Priority, RequestOutput,
                                     ResolvedParams, SamplingParams)
 from tokenmill.engine.output import OutputProcessor
@@ -41,7 +42,7 @@ class LLMEngine:
         """`defaults`: what `add_request` fills a silent SamplingParams with (the engine
         fronts resolve requests themselves and pass ResolvedParams)."""
         config = config or EngineConfig()
-        self.defaults = defaults or GenerationDefaults(max_tokens=config.model.default_max_tokens)
+        self.defaults = defaults or generation_defaults({}, config.model)
         torch.set_num_threads(config.num_threads or default_num_threads())
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

@@ -43,9 +43,10 @@ class TokenConstraints(Protocol):
     def free(self, request_id: str) -> None:
         """The request ended (stop, length, abort): drop its state."""
 
-    def fill_bitmask(self, request_ids: list[str], ahead: list[list[int]] | None = None) -> Any:
+    def fill_bitmask(self, request_ids: list[str], ahead: list[list[int]] | None = None,
+                     also: list[int | None] | None = None) -> Any:
         """The allowed-token bitmask of each row (numpy int32 [rows, words]); ahead: per
-        row, the drafts it comes after."""
+        row, the drafts it comes after; also: per row, a token allowed beside the grammar's."""
 
 
 class Scheduler:
@@ -228,12 +229,10 @@ class Scheduler:
             ahead = None
             if any(j for _, j in out.grammar_rows):
                 ahead = [drafts.get(rid, [])[:j] for rid, j in out.grammar_rows]
-            out.grammar_bitmask = self.constraints.fill_bitmask([rid for rid, _ in out.grammar_rows], ahead)
-            for row, (rid, _) in enumerate(out.grammar_rows):
-                req = self.requests[rid]
-                if self.thinking.in_start(req):  # the reply may open its thinking instead
-                    tok = req.params.thinking.open_ids[0]
-                    out.grammar_bitmask.view("uint32")[row, tok // 32] |= 1 << (tok % 32)
+            # a reply that may still open its thinking block may take the block's first token
+            also = [self.requests[rid].params.thinking.open_ids[0] if self.thinking.in_start(self.requests[rid])
+                    else None for rid, _ in out.grammar_rows]
+            out.grammar_bitmask = self.constraints.fill_bitmask([rid for rid, _ in out.grammar_rows], ahead, also)
         return out
 
     def _grammar_applies(self, req: Request) -> bool:

@@ -49,13 +49,18 @@ class ThinkingBudgets:
         """`tok` was just appended to req's output; True: it is part of the answer (not of
         a thinking block)."""
         st = self._state(req)
-        if st is None or st.phase == ANSWER:
+        if st is None:
+            return True
+        return self._advance(req, st, len(req.output_token_ids))
+
+    def _advance(self, req: Request, st: _State, n: int) -> bool:
+        """The output's n-th token (its first n are out) moves the reply through its phases."""
+        if st.phase == ANSWER:
             return True
         tags = req.params.thinking
         out = req.output_token_ids
         if st.phase == START:
-            n = len(out)
-            if n <= len(tags.open_ids) and tuple(out) == tags.open_ids[:n]:
+            if n <= len(tags.open_ids) and tuple(out[:n]) == tags.open_ids[:n]:
                 st.count = n
                 if n == len(tags.open_ids):
                     st.phase = THINK
@@ -67,21 +72,20 @@ class ThinkingBudgets:
         if st.closing:
             st.closing += 1
         k = len(tags.close_ids)
-        if len(out) >= k and tuple(out[-k:]) == tags.close_ids:
+        if n >= k and tuple(out[n - k:n]) == tags.close_ids:
             st.phase, st.closing = ANSWER, 0
         req.num_reasoning_tokens = st.count
         return False
 
     def replay(self, req: Request) -> None:
-        """The output changed other than by appending (a stop string cut it): start over."""
+        """The output changed other than by appending (a stop string cut it): count again
+        from the start over the output as it now is."""
         if self._states.pop(req.request_id, None) is None:
             return
-        out = list(req.output_token_ids)
         req.num_reasoning_tokens = 0
-        del req.output_token_ids[:]
-        for tok in out:
-            req.output_token_ids.append(tok)
-            self.observe(req, tok)
+        st = self._state(req)
+        for n in range(1, len(req.output_token_ids) + 1):
+            self._advance(req, st, n)
 
     def _budget_left(self, req: Request, st: _State) -> int | None:
         """Tokens it may still think freely before the closing tag must begin."""

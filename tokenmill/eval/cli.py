@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import shlex
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
+from tokenmill.bench.cli import command_line
 from tokenmill.eval.runner import Answer, EvalError, Settings, Target, discover_model, run_target
 from tokenmill.eval.sandbox import NOBODY, Limits, Sandbox
 from tokenmill.eval.suite import SuiteError, load_suite
@@ -57,30 +57,6 @@ def pick_card(cards_path: Optional[Path], card_name: Optional[str], model: str, 
     if card.machine is not None and usd_per_hour is not None:
         card = with_machine(card, usd_per_hour=usd_per_hour)
     return card
-
-
-def command_line(ctx: Optional[typer.Context]) -> str:
-    """The command as given, rebuilt from the parsed parameters; the API key hidden."""
-    parts = ["tokenmill", "eval"]
-    if ctx is None:
-        return shlex.join(parts)
-    for param in ctx.command.params:
-        name = param.name or ""
-        source = ctx.get_parameter_source(name)
-        if source is None or source.name != "COMMANDLINE":
-            continue
-        value = ctx.params.get(name)
-        if param.param_type_name == "argument":
-            parts.append(str(value))
-            continue
-        values = value if isinstance(value, (list, tuple)) else [value]
-        for v in values:
-            if getattr(param, "is_flag", False):
-                if v:
-                    parts.append(param.opts[0])
-            else:
-                parts += [param.opts[0], "***" if name == "api_key" else str(v)]
-    return shlex.join(parts)
 
 
 def eval_command(
@@ -148,7 +124,7 @@ def eval_command(
         details.append({"label": target.label, "answers": [a.to_json() for a in run.answers]})
         typer.echo(f"{target.label}: passed {s['passed']}/{s['tasks']} in {s['machine_s']:.1f}s", err=True)
     results = {"meta": {"suite": tasks.name, "source": tasks.source, "tasks": len(tasks.tasks),
-                        "command": command_line(ctx), "started_at": started, "temperature": temperature,
+                        "command": command_line(ctx, "eval"), "started_at": started, "temperature": temperature,
                         "concurrency": concurrency, "structured": structured, "seed": seed,
                         "usd_per_hour": usd_per_hour, "sandbox": sandbox.describe()},
                "configs": configs, "answers": details}

@@ -63,19 +63,18 @@ def read_file(path: str) -> dict[str, float | int]:
     return from_hf_generation_config(raw, path)
 
 
-def from_gguf_metadata(meta: dict[str, Any], source: str) -> dict[str, float | int]:
-    return _clean(meta, _GGUF_KEYS, source)
-
-
-def model_generation_defaults(path: str, embedded: bool = False) -> dict[str, float | int]:
-    """The generation defaults of the model at `path` from its generation_config.json (a
-    folder) or its install recipe (a file that carries none; `embedded`: the embedded
-    model's)."""
-    from tokenmill.model.registry import EMBEDDED_GENERATION, recipe_generation
+def model_generation_defaults(path: str, gguf_metadata: dict[str, Any] | None = None) -> dict[str, float | int]:
+    """The generation defaults of the model at `path`: a folder's generation_config.json; a
+    GGUF's own general.sampling.* keys (`gguf_metadata`, read here when not given), else
+    those of the recipe that installs the file (the embedded model's included)."""
+    from tokenmill.model.registry import recipe_generation
 
     if os.path.isdir(path):
         file = os.path.join(path, "generation_config.json")
         return read_file(file) if os.path.isfile(file) else {}
-    if embedded:
-        return dict(EMBEDDED_GENERATION)
-    return recipe_generation(os.path.basename(path))
+    name = os.path.basename(path)
+    if gguf_metadata is None:
+        from tokenmill.model.gguf_reader import GGUFReader
+
+        gguf_metadata = GGUFReader(path).metadata
+    return _clean(gguf_metadata, _GGUF_KEYS, name) or recipe_generation(name)

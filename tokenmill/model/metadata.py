@@ -22,15 +22,8 @@ class ModelInfo:
     generation: dict[str, float | int]  # tokenmill/model/generation.py
 
 
-def default_path_if_embedded(path: str | None) -> str | None:
-    """The embedded model's path when `path` names it (None or its file), else None."""
-    if path is None or os.path.basename(path) == EMBEDDED_FILE:
-        return path or default_model_path()
-    return None
-
-
 def load_model_info(path: str | None = None) -> ModelInfo:
-    from tokenmill.model.generation import from_gguf_metadata, model_generation_defaults
+    from tokenmill.model.generation import model_generation_defaults
 
     resolved = path or default_model_path()
     if not os.path.exists(resolved):
@@ -44,9 +37,8 @@ def load_model_info(path: str | None = None) -> ModelInfo:
 
     gf = GGUFFile(resolved)
     gf.check_supported()
-    generation = (from_gguf_metadata(gf.metadata, os.path.basename(resolved))
-                  or model_generation_defaults(resolved, embedded=resolved == default_path_if_embedded(path)))
-    return ModelInfo(gf.model_config(), Tokenizer.from_gguf_metadata(gf.metadata), generation)
+    return ModelInfo(gf.model_config(), Tokenizer.from_gguf_metadata(gf.metadata),
+                     model_generation_defaults(resolved, gf.metadata))
 
 
 def load_metadata(path: str | None = None) -> tuple[ModelConfig, Tokenizer | None]:

@@ -10,6 +10,7 @@ import typer
 from tokenmill import logs
 from tokenmill.model import registry
 from tokenmill.model.config import ModelLoadError
+from tokenmill.model.generation import model_generation_defaults
 
 models_app = typer.Typer(no_args_is_help=True)
 
@@ -41,13 +42,10 @@ def list_models() -> None:
         typer.echo(f"{name}: {description}\n    {where}")
         if name in registry.RECIPES:  # the terms a user accepts by installing it
             typer.echo(f"    license: {registry.RECIPES[name].license}")
-        defaults = (registry.EMBEDDED_GENERATION if name == registry.EMBEDDED_NAME
-                    else dict(registry.RECIPES[name].generation))
-        if os.path.isfile(where):  # a file that carries its own defaults says so
-            from tokenmill.model.gguf_reader import GGUFReader
-            from tokenmill.model.generation import from_gguf_metadata
-
-            defaults = from_gguf_metadata(GGUFReader(where).metadata, name) or defaults
+        if os.path.isfile(where):  # what serving it applies: the file's own, else its recipe's
+            defaults = model_generation_defaults(where)
+        else:
+            defaults = dict(registry.RECIPES[name].generation) if name in registry.RECIPES else {}
         shown = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none (the API's: temperature 1)"
         typer.echo(f"    generation defaults: {shown}")
 

@@ -102,7 +102,12 @@ EMBEDDED_GENERATION = {"temperature": 0.2, "top_p": 0.9}
 
 
 def recipe_generation(file_name: str) -> dict[str, float | int]:
-    """The generation defaults of the recipe that installs `file_name`; {} for none."""
+    """The generation defaults the recipe that installs `file_name` gives (the embedded
+    model's included); {} for a file no recipe installs."""
+    from tokenmill.model.embedded import EMBEDDED_FILE
+
+    if file_name == EMBEDDED_FILE:
+        return dict(EMBEDDED_GENERATION)
     for recipe in RECIPES.values():
         if recipe.file == file_name:
             return dict(recipe.generation)

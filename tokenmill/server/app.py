@@ -96,7 +96,6 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     config = config or ServerConfig()
     policy = policy or ServicePolicy()
     model_name = engine.model_names()[0]  # (--served-model-name reaches the engine's config)
-    served = engine.served  # per model: tokenizer, limits, generation defaults
     if engine.served().tokenizer is None:
         raise ValueError("the server needs a model with a tokenizer")
     state = ServerState()
@@ -211,7 +210,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     async def models() -> dict:
         data = []
         for name in engine.model_names():
-            m = served(name)
+            m = engine.served(name)  # per model: tokenizer, limits, generation defaults
             data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
                          "max_model_len": m.max_model_len,
                          # what a request that says nothing gets (the model's own, then the server's)

@@ -94,8 +94,11 @@ class BaseServing:
 
     # -- request side -------------------------------------------------------------------
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, str(UnknownModel(model, [self.model_name])), param="model", code="model_not_found")
+        """The engine client says which names it serves (the one namespace of models)."""
+        try:
+            self.engine.served(model)
+        except UnknownModel as exc:
+            raise APIError(404, str(exc), param="model", code="model_not_found") from None
 
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and

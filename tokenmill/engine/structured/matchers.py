@@ -96,13 +96,15 @@ class GrammarMatchers:
             return True
         return m.is_stopped()
 
-    def fill_bitmask(self, request_ids: list[str], ahead: list[list[int]] | None = None) -> np.ndarray:
+    def fill_bitmask(self, request_ids: list[str], ahead: list[list[int]] | None = None,
+                     also: list[int | None] | None = None) -> np.ndarray:
         """[len(request_ids), words] int32 bitmask of the tokens each sequence may take
         next (bit t % 32 of word t // 32). A view of a buffer reused by the next call.
         ahead: per row, speculative drafts the row comes after: its mask is the one after
         them (the matcher advances over them and is rolled back). A row after a draft the
         grammar forbids gets every token: the draft is rejected (its own row's mask
-        forbids it), so that row's token is never output."""
+        forbids it), so that row's token is never output. also: per row, a token allowed
+        beside the grammar's (None: none), e.g. a thinking block's opening tag."""
         n = len(request_ids)
         if self._bitmask.shape[0] < n:
             self._bitmask = np.zeros((max(n, 2 * self._bitmask.shape[0]), self.words), dtype=np.int32)
@@ -121,4 +123,7 @@ class GrammarMatchers:
                 out[i] = -1
             if ok:
                 m.rollback(ok)
+        for i, tok in enumerate(also or ()):
+            if tok is not None:
+                out[i].view(np.uint32)[tok // 32] |= np.uint32(1 << (tok % 32))
         return out
