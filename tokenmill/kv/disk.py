@@ -1,7 +1,7 @@
 """Block files of the prefix cache's disk tier: full KV blocks kept on disk, named by their
 prefix-chain hash (tokenmill/kv/manager.py), so a prompt's prefix outlives the memory
-pool, a restart and a deploy. Pure files and numpy; the worker that moves blocks between
-these files and the KV cache is tokenmill/kv/tier.py.
+pool, a restart and a deploy. Pure files and numpy; the threads that move blocks between
+these files and the KV cache are in tokenmill/kv/tier.py.
 
 One file per block, DIR/blocks/<2 hex>/<hash hex>.kv:
 
@@ -63,7 +63,8 @@ def pack_tokens(token_ids) -> bytes:
 class DiskStore:
     """Content-addressed block files under `root`, at most `capacity_bytes` of them (LRU).
 
-    `contains` may be called from any thread; `read` and `write` from one worker thread."""
+    `contains` may be called from any thread; `read` from one thread, `write` from one
+    (another or the same)."""
 
     def __init__(self, root: str, capacity_bytes: int, identity: bytes, payload_nbytes: int):
         if capacity_bytes <= 0:

@@ -1,4 +1,4 @@
-"""The disk tier under the prefix cache: a worker thread that moves whole blocks between
+"""The disk tier under the prefix cache: background threads that move whole blocks between
 the KV cache and the block files of tokenmill/kv/disk.py, off the step loop.
 
 The KV manager calls it at three points (tokenmill/kv/manager.py):
@@ -10,7 +10,8 @@ The KV manager calls it at three points (tokenmill/kv/manager.py):
            requests keep stepping) until `completed` hands the restore back;
   close    pending writes are flushed, and the directory's lock is released.
 
-The worker uses numpy and file I/O only, never torch: a torch op on a second thread would
+Reads and writes have a thread each (a read never waits behind writes; the writer runs
+at a lower priority than the step). They use numpy and file I/O only, never torch: a torch op on a second thread would
 start a second OpenMP team beside the step's (see tokenmill/engine/async_engine.py).
 """
 
@@ -33,13 +34,14 @@ from tokenmill.kv.disk import DiskStore, identity_digest
 log = logging.getLogger("tokenmill.kv.disk")
 
 MAX_PENDING_BYTES = 256 * 1024 ** 2  # snapshots waiting to be written; beyond this, a save is dropped
+WRITER_NICE = 10  # the writer thread's nice value (Linux: per thread)
 SPARE_BUFFERS = 64  # written snapshots' buffers kept for the next saves
 CLOSE_FLUSH_S = 30.0  # how long close() waits for pending writes
 
 
 @dataclass
 class Restore:
-    """One request's prefix being read back: block_ids[i] gets keys[i]'s block. The worker
+    """One request's prefix being read back: block_ids[i] gets keys[i]'s block. The reader
     sets num_loaded (the first num_loaded blocks are filled) and then done."""
     request_id: str
     keys: list[bytes]
@@ -131,8 +133,11 @@ class DiskTier:
         self._reads: deque[Restore] = deque()
         self._done: list[Restore] = []
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="tokenmill-kv-disk", daemon=True)
-        self._thread.start()
+        # reads and writes on threads of their own: a read never waits behind writes
+        self._threads = [threading.Thread(target=self._read_loop, name="tokenmill-kv-disk-read", daemon=True),
+                         threading.Thread(target=self._write_loop, name="tokenmill-kv-disk-write", daemon=True)]
+        for t in self._threads:
+            t.start()
         log.info("KV disk tier: %s, %.2f of %.2f GiB used (%d blocks)", self.store.root,
                  self.store.used_bytes / 1024 ** 3, capacity_bytes / 1024 ** 3, self.store.num_files)
 
@@ -153,7 +158,7 @@ class DiskTier:
         with self._cv:
             self._pending[key] = (token_ids, snap)
             self._writes.append(key)
-            self._cv.notify()
+            self._cv.notify_all()  # (the reader and the writer wait on it)
 
     def restore(self, request_id: str, keys: list[bytes], tokens: list[tuple[int, ...]],
                 block_ids: list[int], pinned: list[int]) -> Restore:
@@ -162,7 +167,7 @@ class DiskTier:
         r = Restore(request_id, keys, tokens, block_ids, pinned)
         with self._cv:
             self._reads.append(r)
-            self._cv.notify()
+            self._cv.notify_all()  # (the reader and the writer wait on it)
         return r
 
     def completed(self) -> list[Restore]:
@@ -191,66 +196,72 @@ class DiskTier:
                     kv_disk_files=store.num_files, kv_disk_faults=store.num_faults)
 
     def close(self) -> None:
-        """Flush pending writes (for at most CLOSE_FLUSH_S), stop the worker, release the dir."""
+        """Flush pending writes (for at most CLOSE_FLUSH_S), stop the threads, release the dir."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
-        self._thread.join(CLOSE_FLUSH_S)
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         self.store.close()
 
-    # -- the worker -----------------------------------------------------------------------
-    def _run(self) -> None:
+    # -- the reader and the writer ---------------------------------------------------------
+    def _read_loop(self) -> None:
         buf = np.empty(self.nbytes, dtype=np.uint8)
         while True:
             with self._cv:
-                while not (self._reads or self._writes or self._closing):
+                while not (self._reads or self._closing):
                     self._cv.wait()
-                if self._reads:  # reads first: a request waits on them
-                    job = self._reads.popleft()
-                elif self._writes:
-                    job = self._writes.popleft()
-                else:
-                    return  # closing, and nothing left to write
-                if self._closing and isinstance(job, Restore):
-                    job.done, job.finished = True, time.monotonic()
-                    self._done.append(job)
-                    continue
+                if not self._reads:
+                    return
+                r = self._reads.popleft()
             try:
-                if isinstance(job, Restore):
-                    self._load(job, buf)
-                else:
-                    self._write(job)
+                n = 0 if self._closing else self._load(r, buf)
             except Exception:  # a bug here must not leave a request waiting forever
-                log.exception("KV disk tier worker")
-                if isinstance(job, Restore):
-                    with self._cv:
-                        job.num_loaded = 0
-                        job.done, job.finished = True, time.monotonic()
-                        self._done.append(job)
-                        self._cv.notify_all()
+                log.exception("KV disk tier reader")
+                n = 0
+            with self._cv:
+                r.num_loaded = n
+                r.done, r.finished = True, time.monotonic()
+                self._done.append(r)
+                self._cv.notify_all()
 
-    def _load(self, r: Restore, buf: np.ndarray) -> None:
-        loaded = 0
-        for key, toks, bid in zip(r.keys, r.tokens, r.block_ids):
-            pending = self._pending.get(key)
-            if pending is not None and pending[0] == toks:
-                src = pending[1]  # saved moments ago, not yet written
-            elif self.store.read(key, toks, buf):
-                src = buf
-            else:
-                break  # the chain ends at the first block that is not whole
-            self.cache.write_block(bid, src)
-            loaded += 1
-        with self._cv:
-            r.num_loaded = loaded
-            r.done, r.finished = True, time.monotonic()
-            self._done.append(r)
-            self._cv.notify_all()
+    def _load(self, r: Restore, buf: np.ndarray) -> int:
+        """Fill r's blocks in order; how many, up to the first that is not whole."""
+        for i, (key, toks, bid) in enumerate(zip(r.keys, r.tokens, r.block_ids)):
+            with self._cv:  # (a written snapshot's buffer is reused: copy it before the writer lets it go)
+                pending = self._pending.get(key)
+                if pending is not None and pending[0] == toks:  # saved moments ago, not yet written
+                    self.cache.write_block(bid, pending[1])
+                    continue
+            if not self.store.read(key, toks, buf):
+                return i
+            self.cache.write_block(bid, buf)
+        return len(r.keys)
+
+    def _write_loop(self) -> None:
+        try:  # below the step's threads: on two cores a write must not take a decode step's time
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._cv:
+                while not (self._writes or self._closing):
+                    self._cv.wait()
+                if not self._writes:
+                    return  # closing, and every pending write done
+                key = self._writes.popleft()
+            try:
+                self._write(key)
+            except Exception:
+                log.exception("KV disk tier writer")
 
     def _write(self, key: bytes) -> None:
         toks, snap = self._pending[key]
-        self.store.write(key, toks, snap)
-        with self._cv:
-            del self._pending[key]
+        try:
+            self.store.write(key, toks, snap)
+        finally:
+            with self._cv:
+                del self._pending[key]
             if len(self._spare) < SPARE_BUFFERS:
                 self._spare.append(snap)
