@@ -3,7 +3,7 @@ left memory (evicted by other prompts) and after a restart, read back from disk,
 recomputing it cold. Files are read from the OS page cache where it still holds them
 (a machine's first read after a reboot comes from the device).
 
-    python -m benchmarks.engine.kv_disk [--config serve] [--prompt-tokens 2500] [--repeat 3]
+    python -m benchmarks.engine.kv_disk [--config serve] [--prompt-tokens 2500] [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.model.loader import load_model
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
+SLACK_BLOCKS = 8  # of a pool beyond one prompt: up to this many of an evicted prompt's blocks stay in memory
 PRECISIONS = dict(CONFIGS, serve=("bfloat16", "auto"))  # serve: what `tokenmill serve` runs by default
 
 
@@ -35,7 +36,7 @@ def ttft(engine: LLMEngine, prompt: list[int], rid: str) -> tuple[float, int]:
 
 def engine(loaded, root: str | None, prompt_tokens: int) -> LLMEngine:
     # a pool of one prompt and a little: the next prompt evicts the last one's blocks
-    blocks = prompt_tokens // 16 + 8
+    blocks = prompt_tokens // 16 + SLACK_BLOCKS
     cache = CacheConfig(num_blocks=blocks, kv_disk_dir=root, kv_disk_gb=4.0)
     return LLMEngine(loaded, EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=512)))
 
@@ -58,7 +59,7 @@ def decode_rate(loaded, root: str | None, prompt: list[int], tokens: int) -> flo
 def streams_during_restore(loaded, root: str, prompt: list[int], n: int) -> tuple[float, float]:
     """A stream decodes while a returning prompt's prefix is read from disk: the median gap
     (ms) between the stream's outputs before, and the longest over the 5 from the arrival."""
-    e = engine(loaded, root, n)
+    e = engine(loaded, root, n + 64 + 400)  # room for both: the read, not a preemption, is measured
     ttft(e, prompt, "first")
     e.kv.reset_prefix_cache()  # memory forgets it; its files stay
     e.add_request("stream", prompt[:64], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
@@ -96,7 +97,11 @@ def main() -> None:
     ap.add_argument("--config", default="serve", choices=sorted(PRECISIONS))
     ap.add_argument("--prompt-tokens", type=int, default=2500)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke run: a 256-token prompt, one repeat, 32 tokens")
     args = ap.parse_args()
+    decode_prompt, decode_tokens = 2000, 256
+    if args.quick:
+        args.prompt_tokens, args.repeat, decode_prompt, decode_tokens = 256, 1, 256, 32
     dtype, quant = PRECISIONS[args.config]
     loaded = load_model(None, dtype, quant)
     ids = eval_ids(loaded.tokenizer)
@@ -118,7 +123,8 @@ def main() -> None:
         before = e.stats()
         t, c = ttft(e, p, f"back{i}")
         after = e.stats()
-        assert after.kv_disk_hit_tokens - before.kv_disk_hit_tokens > 0.9 * n, (c, after)  # not memory
+        # from disk, all but what the pool's slack kept in memory
+        assert after.kv_disk_hit_tokens - before.kv_disk_hit_tokens >= n - 16 * (SLACK_BLOCKS + 1), (c, after)
         evicted.append(t)
         restore.append(after.kv_disk_restore_seconds - before.kv_disk_restore_seconds)
     e.close()
@@ -147,9 +153,11 @@ def main() -> None:
           "read began")
     off, on = [], []
     for _ in range(args.repeat):  # interleaved, so drift in the machine's speed hits both alike
-        off.append(decode_rate(loaded, None, prompts[1][:2000], 256))
-        on.append(decode_rate(loaded, tempfile.mkdtemp(prefix="tokenmill-kvdisk-"), prompts[1][:2000], 256))
-    print(f"  single-stream decode, 256 tokens after a 2000-token prompt (whose writes overlap them): "
+        off.append(decode_rate(loaded, None, prompts[1][:decode_prompt], decode_tokens))
+        on.append(decode_rate(loaded, tempfile.mkdtemp(prefix="tokenmill-kvdisk-"), prompts[1][:decode_prompt],
+                              decode_tokens))
+    print(f"  single-stream decode, {decode_tokens} tokens after a {decode_prompt}-token prompt (whose writes "
+          "overlap them): "
           f"{med(off):.1f} tok/s without the tier, {med(on):.1f} with write-through "
           f"({(1 - med(on) / med(off)) * 100:+.1f}% slower)")
 

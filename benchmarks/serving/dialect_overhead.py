@@ -8,7 +8,7 @@ inter-token latency histogram) for the same requests. Then, in-process, the tran
 per streamed chunk to turn chat chunks into each dialect's events, against serializing
 the chat chunk itself.
 
-    .venv/bin/python -m benchmarks.serving.dialect_overhead [--rounds 8 --max-tokens 128 --dtype bfloat16 --quantization int4]
+    .venv/bin/python -m benchmarks.serving.dialect_overhead [--rounds 8 --max-tokens 128 --dtype bfloat16 --quantization int4] [--quick]
 """
 
 from __future__ import annotations
@@ -141,8 +141,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="int4")
+    ap.add_argument("--quick", action="store_true", help="smoke run: one round of 16 tokens per route")
     args = ap.parse_args()
-    print("translation alone, us per chunk:", {k: round(v, 2) for k, v in translation_cost().items()})
+    if args.quick:
+        args.rounds, args.max_tokens = 1, 16
+    print("translation alone, us per chunk:", {k: round(v, 2) for k, v in translation_cost(2000 if args.quick else 20000).items()})
     spec = ServerSpec("tokenmill", serve_cmd("--dtype", args.dtype, "--quantization", args.quantization,
                                              "--no-batch-api", "--kv-cache-gb", "0.25"), "/ready")
     with RunningServer(spec, ROOT / "bench-results" / "dialect_overhead") as srv:
