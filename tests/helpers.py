@@ -9,10 +9,11 @@ from tokenmill.model.attention import AttentionMetadata, PrefillSeq
 
 
 def full_logits(model, ids: list[int], chunk: int | None = None, kv_dtype: torch.dtype | None = None,
-                kernel=None) -> torch.Tensor:
+                kernel=None, lora_slot: int = -1) -> torch.Tensor:
     """Logits at every position of `ids` through the paged path, prefilled in chunks of
     `chunk` tokens (None: one chunk); a chunk of 1 exercises the decode path. kernel: the
-    native ops for the metadata (None: the torch path)."""
+    native ops for the metadata (None: the torch path); lora_slot: the LoRA adapter slot
+    every row runs under (-1: none)."""
     cfg = model.cfg
     bs = 16
     nblocks = -(-len(ids) // bs)
@@ -33,6 +34,8 @@ def full_logits(model, ids: list[int], chunk: int | None = None, kv_dtype: torch
         else:
             meta = AttentionMetadata(slot_mapping=slots_all[pos], num_decodes=0,
                                      prefills=[PrefillSeq(0, n, s, slots_all[:s + n] if s else None)])
+        if lora_slot >= 0:
+            meta.lora_slots = torch.full((n,), lora_slot, dtype=torch.int64)
         if kernel is not None:
             meta.kernel = kernel
             meta.block_tables = table.view(1, -1)

@@ -54,6 +54,21 @@ class ModelOptions:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (tokenmill/model/lora.py): those loaded at start, and the bounds of
+    what may be loaded later. max_loras 0: no adapters (no slots, nothing per row)."""
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
+    max_loras: int = 0  # adapters resident at once; the least recently used idle one makes room
+    max_lora_rank: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
+        if len(self.adapters) > self.max_loras:
+            raise ValueError(f"{len(self.adapters)} adapters at start but max_loras is {self.max_loras}")
+
+
 SPECULATIVE_METHODS = ("off", "ngram", "suffix")
 
 
@@ -190,3 +205,4 @@ class EngineConfig:
     num_threads: int | None = None  # None: the cores this process may use
     native_attention: bool = True  # the compiled paged-attention kernel (falls back to torch)
     bounds: RequestBounds = field(default_factory=RequestBounds)
+    lora: LoraConfig = field(default_factory=LoraConfig)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
 from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, AdmissionError, CachePin, Choice,
-                                    EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
+                                    EngineBusy, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
                                     RequestOutput, RequestTimes, ResolvedParams, SamplingParams, StructuredOutput,
                                     TokenLogprob)
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from tokenmill.model.tokenizer import Tokenizer
 
 __all__ = [
-    "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EngineClient", "EngineConfig",
+    "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EngineBusy", "EngineClient", "EngineConfig",
     "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions",
     "Priority", "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
     "SchedulerConfig", "ServedModel", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
@@ -237,6 +237,7 @@ class ServedModel:
     config: ModelConfig
     defaults: GenerationDefaults  # the model's generation defaults, then the server's
     started_limits: RequestLimits | None  # None until the engine has started (its KV cache sized)
+    parent: str | None = None  # a LoRA adapter's base model (None: a model itself)
 
     @property
     def limits(self) -> RequestLimits:
@@ -298,6 +299,15 @@ class EngineClient(Protocol):
     def replica_stats(self) -> dict[str, dict] | None:
         """Per-replica figures behind a cluster ingress; None for a single engine."""
         ...
+
+    async def load_adapter(self, name: str, path: str) -> dict:
+        """Load a LoRA adapter (a PEFT folder or a llama.cpp LoRA GGUF) under `name`, which
+        requests then give as their model: what it is (rank, modules, bytes, seconds).
+        Raises InvalidParameter for a bad adapter or a taken name, EngineBusy when every
+        adapter slot is held, having changed nothing."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None: ...
 
     def tune(self, **knobs: int) -> None:
         """Change scheduling knobs while serving (TUNABLE: max_num_seqs,

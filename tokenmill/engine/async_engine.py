@@ -36,7 +36,7 @@ class AsyncEngine(EngineFront):
             info = ModelInfo(loaded.config, loaded.tokenizer, {})
         assert info is not None
         super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name,
-                         generation_defaults(info.generation, config.model))
+                         generation_defaults(info.generation, config.model), config.lora.adapters)
         self.config = config
         self.engine = None  # the LLMEngine, built on the engine thread
         self._loaded = loaded

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -27,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import ModelOptions, RequestBounds
 from tokenmill.engine.api import RequestLimits, ServedModel, UnknownModel, check_knobs
-from tokenmill.engine.types import (EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
-                                    RequestOutput, ResolvedParams, SamplingParams)
+from tokenmill.engine.types import (EngineBusy, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter,
+                                    Priority, RequestOutput, ResolvedParams, SamplingParams)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -80,12 +81,40 @@ class TuneCommand:
     knobs: dict[str, int]  # checked by api.check_knobs
 
 
+@dataclass
+class AdapterCommand:
+    op: str  # load | unload
+    name: str
+    path: str | None
+    reply_id: str | None  # where the answer goes (None: nobody waits, as after a restart)
+
+
+@dataclass
+class AdapterReply:
+    """The loop's answer to an AdapterCommand, delivered like a request's output."""
+    request_id: str
+    info: dict
+    finished: bool = True
+
+
+def refusal(exc: Exception) -> tuple[str, str, str]:
+    """A command's refusal as plain data (it crosses a process boundary): kind, param, text."""
+    if isinstance(exc, EngineBusy):
+        return "busy", "", str(exc)
+    return "invalid", getattr(exc, "param", None) or "request_id", str(exc)
+
+
+def refused_error(kind: str, param: str, text: str) -> Exception:
+    return EngineBusy(text) if kind == "busy" else InvalidParameter(param, text)
+
+
 class EngineFront:
     """The asyncio side: per-request queues, check/generate/abort, death and restart;
     subclasses run the loop."""
 
     def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, bounds: RequestBounds,
-                 name: str | None = None, defaults: GenerationDefaults | None = None):
+                 name: str | None = None, defaults: GenerationDefaults | None = None,
+                 adapters: tuple[tuple[str, str], ...] = ()):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.name = name or model_config.name  # what requests call this model
@@ -103,6 +132,12 @@ class EngineFront:
         self._stopping = False
         self._restarting = False
         self._tuned: dict[str, int] = {}  # knobs changed while serving: a restarted loop gets them too
+        # the LoRA adapters requests may name (name -> path); a restarted loop gets them too
+        self._adapters: dict[str, str] = dict(adapters)
+        self._start_adapters = dict(adapters)  # what a fresh loop loads itself
+        for adapter in self._adapters:
+            if adapter == self.name:
+                raise ValueError(f"the adapter name {adapter!r} is the model's own name")
 
     # -- to implement -------------------------------------------------------------------
     def _submit(self, cmd: AddCommand | AbortCommand) -> None:
@@ -124,11 +159,13 @@ class EngineFront:
         return self._limits
 
     def model_names(self) -> list[str]:
-        return [self.name]
+        return [self.name, *self._adapters]
 
     def served(self, model: str | None = None) -> ServedModel:
         if model is not None and model != self.name:
-            raise UnknownModel(model, self.model_names())
+            if model not in self._adapters:
+                raise UnknownModel(model, self.model_names())
+            return ServedModel(model, self.tokenizer, self.model_config, self.defaults, self._limits, parent=self.name)
         return ServedModel(self.name, self.tokenizer, self.model_config, self.defaults, self._limits)
 
     def stats(self) -> EngineStats:
@@ -149,10 +186,13 @@ class EngineFront:
             raise EngineDeadError("the engine is not running")
         if not isinstance(params, ResolvedParams):
             raise TypeError("generate takes ResolvedParams (ServedModel.resolve)")
+        lora = None
         if model is not None and model != self.name:
-            raise UnknownModel(model, self.model_names())
+            if model not in self._adapters:
+                raise UnknownModel(model, self.model_names())
+            lora = model
         cmd = AddCommand(request_id, list(prompt_token_ids), params,
-                         dict(priority=priority, cache_salt=cache_salt, tenant=tenant,
+                         dict(priority=priority, cache_salt=cache_salt, tenant=tenant, lora=lora,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                               deadline=deadline))
         return self._stream(cmd)
@@ -178,6 +218,34 @@ class EngineFront:
             self._queues.pop(request_id, None)
             if remaining and self.running:
                 self.abort(request_id)
+
+    async def load_adapter(self, name: str, path: str) -> dict:
+        if name == self.name or name in self._adapters:
+            raise InvalidParameter("lora_name", f"the name {name!r} is taken (a model or a loaded adapter)")
+        info = await self._ask(AdapterCommand("load", name, path, f"adapter:{uuid.uuid4().hex}"))
+        self._adapters[name] = path
+        return info
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise UnknownModel(name, self.model_names())
+        await self._ask(AdapterCommand("unload", name, None, f"adapter:{uuid.uuid4().hex}"))
+        del self._adapters[name]
+
+    async def _ask(self, cmd: AdapterCommand) -> dict:
+        """Run a command in the loop and wait for its answer (its refusal raised)."""
+        if not self.running:
+            raise EngineDeadError("the engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[cmd.reply_id] = queue
+        try:
+            self._submit(cmd)
+            item = await queue.get()
+        finally:
+            self._queues.pop(cmd.reply_id, None)
+        if isinstance(item, BaseException):
+            raise item
+        return item.info
 
     def abort(self, request_id: str) -> None:
         self._submit(AbortCommand(request_id))
@@ -235,6 +303,10 @@ class EngineFront:
         self.error = None
         if self._tuned:
             self._submit(TuneCommand(dict(self._tuned)))
+        for name in self._start_adapters.keys() - self._adapters.keys():  # unloaded while serving
+            self._submit(AdapterCommand("unload", name, None, None))
+        for name in self._adapters.keys() - self._start_adapters.keys():  # loaded while serving
+            self._submit(AdapterCommand("load", name, self._adapters[name], None))
         log.warning("engine restarted (%d restarts so far)", self.restarts)
 
     def _give_up(self, why: str) -> None:
@@ -244,12 +316,28 @@ class EngineFront:
             self.on_give_up()
 
 
-def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand | TuneCommand]
-                 ) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
-    """Apply queued commands to the engine (an LLMEngine): (outputs of aborts, refused adds)."""
-    outputs: list[RequestOutput] = []
+def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand | TuneCommand | AdapterCommand]
+                 ) -> tuple[list[RequestOutput | AdapterReply], list[tuple[str, Exception]]]:
+    """Apply queued commands to the engine (an LLMEngine): (outputs of aborts and adapter
+    replies, refused commands: InvalidParameter or EngineBusy)."""
+    outputs: list[RequestOutput | AdapterReply] = []
     refused: list[tuple[str, Exception]] = []
     for cmd in cmds:
+        if isinstance(cmd, AdapterCommand):
+            try:
+                if cmd.op == "load":
+                    info = dataclasses.asdict(engine.load_adapter(cmd.name, cmd.path))
+                else:
+                    engine.unload_adapter(cmd.name)
+                    info = {}
+            except (ValueError, EngineBusy) as exc:
+                log.warning("LoRA adapter %s: %s", cmd.name, exc)
+                if cmd.reply_id is not None:
+                    refused.append((cmd.reply_id, refused_error(*refusal(exc))))
+                continue
+            if cmd.reply_id is not None:
+                outputs.append(AdapterReply(cmd.reply_id, info))
+            continue
         if isinstance(cmd, AbortCommand):
             outputs.extend(engine.abort(cmd.request_id))
             continue
@@ -258,8 +346,8 @@ def run_commands(engine: Any, cmds: list[AddCommand | AbortCommand | TuneCommand
             continue
         try:
             engine.add_resolved(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
-        except ValueError as exc:
-            refused.append((cmd.request_id, exc))
+        except (ValueError, EngineBusy) as exc:
+            refused.append((cmd.request_id, refused_error(*refusal(exc))))
     return outputs, refused
 
 

@@ -30,7 +30,7 @@ from tokenmill.engine.structured.matchers import GrammarMatchers
 from tokenmill.kv.cache import KVCache, default_cache_bytes
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tier import open_disk_tier
-from tokenmill.model.kernels import native_ops
+from tokenmill.model.kernels import native_ops, native_ops_for
 from tokenmill.model.loader import LoadedModel
 
 log = logging.getLogger("tokenmill.engine")
@@ -75,6 +75,12 @@ class LLMEngine:
         self.grammar = GrammarMatchers(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.grammar)
         self.limits = RequestLimits(max_len, self.scheduler.cache_tokens, mcfg.vocab_size, config.bounds)
+        self.adapters = None  # LoRA (engine/adapters.py): slots in the model before the runner binds it
+        if config.lora.max_loras:
+            from tokenmill.engine.adapters import Adapters
+
+            ops = native_ops_for(mcfg.head_dim) if config.native_attention else None
+            self.adapters = Adapters(loaded.model, config.lora, ops)
         self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention)
         self.outputs = OutputProcessor(self.tokenizer)
         self._groups: dict[str, list[str]] = {}  # user request id -> its samples' ids
@@ -104,19 +110,31 @@ class LLMEngine:
     def add_resolved(self, request_id: str, prompt_token_ids: list[int], params: ResolvedParams,
                      *, priority: int = Priority.INTERACTIVE, cache_salt: str | None = None,
                      tenant: str | None = None, arrival_time: float | None = None,
-                     deadline: float | None = None) -> None:
+                     deadline: float | None = None, lora: str | None = None) -> None:
+        """`lora`: the name of the LoRA adapter the request runs under (None: the base model)."""
         if request_id in self._groups:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        slot = -1
+        if lora is not None:
+            if self.adapters is None:
+                raise InvalidParameter("model", f"no LoRA adapter named {lora!r} (this engine has none)")
+            slot, salt = self.adapters.acquire(request_id, lora)  # (released when the request ends)
+            cache_salt = salt if cache_salt is None else f"{salt}|{cache_salt}"
         reqs = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids, params,
                     group_id=request_id, index=i, priority=priority, cache_salt=cache_salt,
-                    tenant=tenant, arrival_time=arrival, eos_token_ids=self.eos_token_ids)
+                    tenant=tenant, arrival_time=arrival, eos_token_ids=self.eos_token_ids, lora_slot=slot)
             for i in range(params.n)
         ]
-        if params.structured is not None:  # raises InvalidParameter before anything is queued
-            for r in reqs:
-                self.grammar.add(r.request_id, params.structured)
+        try:
+            if params.structured is not None:  # raises InvalidParameter before anything is queued
+                for r in reqs:
+                    self.grammar.add(r.request_id, params.structured)
+        except BaseException:
+            if self.adapters is not None:
+                self.adapters.release(request_id)
+            raise
         self.scheduler.add_requests(reqs)
         for r in reqs:
             self.outputs.add(r)
@@ -127,6 +145,8 @@ class LLMEngine:
     def abort(self, request_id: str, reason: str | None = None) -> list[RequestOutput]:
         """Abort every sample of a user request now; its blocks are freed at once."""
         outs = []
+        if self.adapters is not None:
+            self.adapters.release(request_id)
         for rid in self._groups.pop(request_id, []):
             req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED, reason)
             if req is not None:
@@ -134,6 +154,17 @@ class LLMEngine:
                 if out is not None:
                     outs.append(out)
         return outs
+
+    def load_adapter(self, name: str, path: str):
+        """Read a LoRA adapter into a slot (engine/adapters.py): its AdapterInfo."""
+        if self.adapters is None:
+            raise InvalidParameter("lora_name", "this engine serves no LoRA adapters (start it with --max-loras N)")
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.adapters is None:
+            raise InvalidParameter("lora_name", f"no adapter named {name!r} is loaded")
+        self.adapters.unload(name)
 
     def tune(self, knobs: dict[str, int]) -> None:
         """Scheduling knobs (api.TUNABLE) changed while serving; the scheduler reads its
@@ -181,6 +212,8 @@ class LLMEngine:
         ids = self._groups.get(out.request_id)
         if ids is not None and all(rid not in self.scheduler.requests for rid in ids):
             del self._groups[out.request_id]
+            if self.adapters is not None:
+                self.adapters.release(out.request_id)
 
     def stats(self) -> EngineStats:
         st = self.kv.stats

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.types import EngineDeadError, InvalidParameter
-from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, generation_defaults, run_commands
+from tokenmill.engine.types import EngineDeadError
+from tokenmill.engine.front import (AbortCommand, AddCommand, EngineFront, generation_defaults, refusal, refused_error,
+                                    run_commands)
 from tokenmill.model.metadata import load_model_info
 
 log = logging.getLogger("tokenmill.engine")
@@ -91,7 +92,7 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
             aborted, refused = run_commands(engine, cmds)
             outputs = aborted + engine.step()
             if outputs or refused or cmds:
-                out_q.put(("step", outputs, [(rid, str(exc)) for rid, exc in refused], engine.stats()))
+                out_q.put(("step", outputs, [(rid, *refusal(exc)) for rid, exc in refused], engine.stats()))
     except BaseException as exc:
         out_q.put(("failed", repr(exc)))
     finally:
@@ -127,7 +128,8 @@ class ProcessEngine(EngineFront):
                 self._close(early)
                 self._child = None
             raise
-        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name, defaults)
+        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name, defaults,
+                         config.lora.adapters)
 
     @property
     def running(self) -> bool:
@@ -238,7 +240,7 @@ class ProcessEngine(EngineFront):
                 return
             _, outputs, refused, stats = msg
             self._stats = stats
-            for rid, text in refused:
-                loop.call_soon_threadsafe(self._fail, rid, InvalidParameter("request_id", text))
+            for rid, *why in refused:
+                loop.call_soon_threadsafe(self._fail, rid, refused_error(*why))
             if outputs:
                 loop.call_soon_threadsafe(self._deliver, outputs)

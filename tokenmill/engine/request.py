@@ -33,7 +33,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: ResolvedParams,
                  *, group_id: str | None = None, index: int = 0, priority: int = Priority.INTERACTIVE,
                  cache_salt: str | None = None, arrival_time: float | None = None,
-                 eos_token_ids: tuple[int, ...] = (), tenant: str | None = None):
+                 eos_token_ids: tuple[int, ...] = (), tenant: str | None = None, lora_slot: int = -1):
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
@@ -46,6 +46,7 @@ class Request:
         self.tenant = tenant
         # Isolation key of the prefix cache: tenant and the client's own salt.
         self.cache_salt = cache_salt
+        self.lora_slot = lora_slot  # its LoRA adapter's slot in the model (-1: the base model)
         self.eos_token_ids = eos_token_ids
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING

@@ -112,6 +112,9 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping), num_decodes=D,
                                  block_tables=torch.from_numpy(bt), seq_lens=torch.from_numpy(seq_lens),
                                  kernel=self.kernel, block_size=bs)
+        if any(s.lora_slot >= 0 for s in sch):
+            slots = np.fromiter((s.lora_slot for s in sch), dtype=np.int64, count=S)
+            meta.lora_slots = torch.from_numpy(np.repeat(slots, lens))
         if D and self.kernel is None:
             Ld = int(seq_lens[:D].max())
             grid = np.arange(Ld)

@@ -219,6 +219,7 @@ class Scheduler:
                                   if req.num_output_tokens < sp.min_tokens else []),
                 draft_token_ids=d,
                 forced_token_id=self.thinking.forced(req) if end == req.num_tokens else None,
+                lora_slot=req.lora_slot,
             )
             out.scheduled.append(sr)
             out.num_scheduled_tokens += num_new

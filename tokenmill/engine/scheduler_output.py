@@ -28,6 +28,7 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     num_drafts_before: int = 0  # a runner's row of a request with drafts: the drafts before it
     forced_token_id: int | None = None  # the one token this row may sample (a thinking tag: engine/thinking.py)
+    lora_slot: int = -1  # its LoRA adapter's slot (-1: the base model)
 
 
 @dataclass

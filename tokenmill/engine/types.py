@@ -33,6 +33,11 @@ class AdmissionError(ValueError):
         self.param = param
 
 
+class EngineBusy(RuntimeError):
+    """A request the engine cannot take now but could soon (every LoRA slot is held by
+    requests in flight): retry."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped; requests in flight cannot complete."""
 

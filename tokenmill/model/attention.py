@@ -61,6 +61,8 @@ class AttentionMetadata:
     row_tables: torch.Tensor | None = None  # [T, max_blocks]
     row_lens: torch.Tensor | None = None  # [T] context up to and including the row
     row_starts: torch.Tensor | None = None  # [T + 1] = arange
+    # each row's LoRA adapter slot (-1: the base model); None when no row has one
+    lora_slots: torch.Tensor | None = None  # [T] int64
 
 
 def row_view(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

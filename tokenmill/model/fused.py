@@ -21,6 +21,7 @@ from tokenmill.model.quant import Int4Linear, Int8BlockLinear, Q5BlockLinear
 
 FUSED_DECODE_ROWS = 17  # the fused decode step runs batches below this many rows
 _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)  # the native step's "no bias" for a matmul
+_NO_ADAPTERS = torch.empty(0, dtype=torch.int64)
 
 
 class FusedDecoder:
@@ -71,6 +72,8 @@ class FusedDecoder:
         if has_head:
             # (the scale as the model's bf16 product has it)
             native.set_head(model.embed, head.tiles, float(model.embed_scale) if model.embed_scale is not None else 1.0)
+        if model.adapters is not None and model.adapters.table is not None:
+            native.set_lora(model.adapters.table)  # rows on adapters run inside the step too
         n = cfg.num_layers
         layers = [kv_cache.layer(i) for i in range(n)]
         scales = [kv_cache.layer_scales(i) for i in range(n)] if kv_cache.quantized else []
@@ -85,6 +88,11 @@ class FusedDecoder:
         separate ops would run the same packed kernels)."""
         return meta.num_decodes == rows and rows < FUSED_DECODE_ROWS
 
+    def _rows(self, meta: AttentionMetadata) -> None:
+        """The call's rows' adapter slots (the native object keeps them until changed)."""
+        if self.model.adapters is not None:
+            self.native.set_row_adapters(meta.lora_slots if meta.lora_slots is not None else _NO_ADAPTERS)
+
     @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor | None:
@@ -93,6 +101,7 @@ class FusedDecoder:
         if not self.applies(meta, input_ids.shape[0]):
             return None
         h = self.model.embed_tokens(input_ids)
+        self._rows(meta)
         return self.native.forward(h, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                    meta.block_size)
 
@@ -104,6 +113,7 @@ class FusedDecoder:
         then the model's logits). None where that path does not apply."""
         if not (self.has_head and self.applies(meta, input_ids.shape[0])):
             return None
+        self._rows(meta)
         logits, best = self.native.forward_logits(input_ids, positions, meta.slot_mapping, meta.block_tables,
                                                   meta.seq_lens, meta.block_size)
         return logits, best
@@ -121,5 +131,6 @@ class FusedDecoder:
         apply."""
         if not (self.has_head and self.applies(meta, input_ids.shape[0])):
             return None
+        self._rows(meta)
         return self.native.decode_steps(input_ids, positions, meta.block_tables, meta.seq_lens,
                                         meta.block_size, steps, temps, seeds, indices, top_ks, top_ps, min_ps)

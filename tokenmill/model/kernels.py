@@ -45,7 +45,7 @@ from tokenmill import logs
 log = logging.getLogger("tokenmill.model")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "quant_gemv.cpp", "decode_step.cpp",
-            "sampling.cpp")
+            "sampling.cpp", "lora.cpp")
 # -fopenmp: at::parallel_for is inlined from ATen's headers and runs on one thread unless
 # this code itself is built with OpenMP (the symbols resolve to torch's libgomp)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")

@@ -125,6 +125,7 @@ class LlamaModel:
         self.norm = norm
         self.lm_head = lm_head
         self.dtype = dtype
+        self.adapters = None  # AdapterSlots (tokenmill/model/lora.py) once the engine enables LoRA
         self.scale = cfg.attn_scale
         self.act = ACTIVATIONS[cfg.hidden_act]
         # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as transformers does
@@ -165,6 +166,12 @@ class LlamaModel:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
+    def _lora(self, meta: AttentionMetadata, layer: int, m: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus each row's adapter update of layer's matmul m (0 qkv, 1 o, 2 gate_up, 3 down)."""
+        if meta.lora_slots is None or self.adapters is None:
+            return y
+        return self.adapters.apply_(4 * layer + m, x, y, meta.lora_slots)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache) -> torch.Tensor:
@@ -184,7 +191,7 @@ class LlamaModel:
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = layer.qkv(x)
+            qkv = self._lora(meta, i, 0, x, layer.qkv(x))
             qk = qkv[:, : (H + Hkv) * d].view(T, H + Hkv, d)
             if layer.q_norm is not None:
                 qk = torch.cat((self._rms_norm(qk[:, :H], layer.q_norm), self._rms_norm(qk[:, H:], layer.k_norm)), 1)
@@ -194,11 +201,13 @@ class LlamaModel:
             k_cache, v_cache = kv_cache.layer(i)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, *kv_cache.layer_scales(i),
                                    window=layer.window)
-            o = layer.o_proj(attn)
+            attn = attn.reshape(T, H * d)
+            o = self._lora(meta, i, 1, attn, layer.o_proj(attn))
             h = h + (self._rms_norm(o, layer.attn_out_norm) if layer.attn_out_norm is not None else o)
             x = self._rms_norm(h, layer.post_norm)
-            g, u = layer.gate_up(x).chunk(2, dim=-1)
-            dn = layer.down(self.act(g) * u)
+            g, u = self._lora(meta, i, 2, x, layer.gate_up(x)).chunk(2, dim=-1)
+            a = self.act(g) * u
+            dn = self._lora(meta, i, 3, a, layer.down(a))
             h = h + (self._rms_norm(dn, layer.ffn_out_norm) if layer.ffn_out_norm is not None else dn)
         return self._rms_norm(h, self.norm)
 
@@ -222,7 +231,7 @@ class LlamaModel:
         if rows_native:
             row_tables, lens = row_view(meta)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)
+            qkv = self._lora(meta, i, 0, x, layer.qkv(x))
             if layer.q_norm is not None:
                 ops.qk_norm_(qkv, layer.q_norm, layer.k_norm, H, Hkv, d, eps)
             ops.rope_(qkv, *tables[id(self.layer_rope(i))], H + Hkv, d)
@@ -237,11 +246,13 @@ class LlamaModel:
                 v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)
                 attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, k_scale, v_scale,
                                        window=layer.window)
-            o = layer.o_proj(attn)
+            attn = attn.reshape(T, H * d)
+            o = self._lora(meta, i, 1, attn, layer.o_proj(attn))
             if layer.attn_out_norm is not None:
                 ops.rms_norm_(o, layer.attn_out_norm, eps)
             x = ops.add_rms_norm(h, o, layer.post_norm, eps)
-            dn = layer.down(act_mul(layer.gate_up(x)))
+            a = act_mul(self._lora(meta, i, 2, x, layer.gate_up(x)))
+            dn = self._lora(meta, i, 3, a, layer.down(a))
             if layer.ffn_out_norm is not None:
                 ops.rms_norm_(dn, layer.ffn_out_norm, eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm

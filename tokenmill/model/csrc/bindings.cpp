@@ -29,10 +29,12 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::
 
 void bind_decode_step(pybind11::module& m);
 void bind_sampling(pybind11::module& m);
+void bind_lora(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_step(m);
   bind_sampling(m);
+  bind_lora(m);
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache for short queries",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("query_start"), pybind11::arg("block_size"), pybind11::arg("scale"),

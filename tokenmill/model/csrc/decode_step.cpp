@@ -20,6 +20,7 @@
 
 #include "argmax.h"
 #include "decode_attention.h"
+#include "lora.h"
 #include "quant_tiles.h"
 #include "row_attention.h"
 #include "rows.h"
@@ -187,6 +188,20 @@ class DecodeModel {
     auto out = torch::empty_like(hc);
     step(hc, positions, slot_mapping, block_tables, seq_lens, block_size, out, nullptr);
     return out;
+  }
+
+  // LoRA adapters' updates, each row's adapter given before each call (set_row_adapters)
+  void set_lora(std::shared_ptr<tm_lora::LoraTable> table) {
+    TORCH_CHECK(table->mats() == static_cast<int64_t>(mats_.size()), "a LoRA table of this model's matmuls");
+    lora_ = std::move(table);
+  }
+
+  // The rows' adapter slots for the calls that follow (int64 [M], -1 for none); an empty
+  // tensor: no row has one.
+  void set_row_adapters(torch::Tensor slots) {
+    TORCH_CHECK(slots.numel() == 0 || (slots.scalar_type() == at::kLong && slots.dim() == 1 && lora_),
+                "int64 [M] slots, after set_lora");
+    row_adapters_ = slots.contiguous();
   }
 
   // The output projection (int8 block tiles, see quant_gemv.cpp) and the embedding, for
@@ -405,6 +420,9 @@ class DecodeModel {
     std::vector<int64_t> best_idx(threads * M, 0);
     const BF16* h0 = h.data_ptr<BF16>();
     BF16* outp = out.data_ptr<BF16>();
+    const int64_t* adapters = row_adapters_.defined() && row_adapters_.numel() ? row_adapters_.data_ptr<int64_t>() : nullptr;
+    TORCH_CHECK(!adapters || row_adapters_.numel() == M, "one adapter slot a row");
+    const int64_t lora_rank = adapters ? lora_->max_rank() : 0;
     auto mm = [&](const Mat& m, const QuantX& xq, int64_t t0, int64_t t1, BF16* y) {
       const uint8_t* w = m.tiles.data_ptr<uint8_t>();
       switch (m.kind) {
@@ -428,6 +446,17 @@ class DecodeModel {
       // each thread's own residual stream and norm output (row-sized work: cheaper done
       // twice than shared through a barrier)
       std::vector<BF16> hp(h0, h0 + M * hid), xp(M * hid), act(M * I), normed(M * hid);
+      std::vector<float> xa(lora_rank);
+      // columns [c0, c1) of matmul mi's output y (rows of yn) += each row's adapter update from x (rows of xk)
+      auto lora = [&](int64_t l, int64_t mi, const BF16* x, int64_t xk, int64_t c0, int64_t c1, BF16* y, int64_t yn) {
+        if (!adapters || c1 <= c0) return;
+        for (int64_t b = 0; b < M; ++b) {
+          const tm_lora::Update* u = lora_->get(adapters[b], 4 * l + mi);
+          if (u == nullptr) continue;
+          tm_lora::project_row(*u, x + b * xk, xa.data());
+          tm_lora::add_row(*u, xa.data(), c0, c1, y + b * yn);
+        }
+      };
 #if TM_FUSED_CHUNKED_ATTENTION
       std::vector<BF16> attn(M * H * D);
 #endif
@@ -450,6 +479,7 @@ class DecodeModel {
           const auto [h0_, h1_] = share(H + 2 * Hkv, tid, nt);
           mm(w[0], xq, h0_ * D / 16, h1_ * D / 16, qkv.data());
           add_bias(w[0], h0_ * D, h1_ * D, qkv.data());
+          lora(l, 0, xp.data(), hid, h0_ * D, h1_ * D, qkv.data(), nq);
           for (int64_t hd = h0_; hd < h1_; ++hd)
             for (int64_t b = 0; b < M; ++b) {
               BF16* v = qkv.data() + b * nq + hd * D;
@@ -501,6 +531,7 @@ class DecodeModel {
           const auto [t0, t1] = share(w[1].n / 16, tid, nt);
           mm(w[1], xq, t0, t1, o.data());
           add_bias(w[1], 16 * t0, 16 * t1, o.data());
+          lora(l, 1, attn_in, H * D, 16 * t0, 16 * t1, o.data(), hid);
         }
 #pragma omp barrier
         {
@@ -512,6 +543,7 @@ class DecodeModel {
           const auto [t0, t1] = share(w[2].n / 16, tid, nt);
           mm(w[2], xq, t0, t1, gu.data());
           add_bias(w[2], 16 * t0, 16 * t1, gu.data());
+          lora(l, 2, xp.data(), hid, 16 * t0, 16 * t1, gu.data(), 2 * I);
         }
 #pragma omp barrier
         {
@@ -523,6 +555,7 @@ class DecodeModel {
           const auto [t0, t1] = share(w[3].n / 16, tid, nt);
           mm(w[3], xq, t0, t1, dn.data());
           add_bias(w[3], 16 * t0, 16 * t1, dn.data());
+          lora(l, 3, act.data(), I, 16 * t0, 16 * t1, dn.data(), hid);
         }
 #pragma omp barrier
         const BF16* next = norms_[l + 1 < L_ ? 2 * (l + 1) : 2 * L_].data_ptr<BF16>();
@@ -559,6 +592,8 @@ class DecodeModel {
 #endif
 
   std::vector<Mat> mats_;
+  std::shared_ptr<tm_lora::LoraTable> lora_;  // adapters' updates (set_lora), or none
+  torch::Tensor row_adapters_;  // int64 [M] the next call's rows' adapter slots (-1: none), or empty
   std::vector<torch::Tensor> norms_, k_, v_, ks_, vs_;  // ks_, vs_: an int8 cache's scales
   torch::Tensor embed_, head_;  // optional (set_head)
   torch::Tensor cos_, sin_;
@@ -601,6 +636,8 @@ void bind_decode_step(pybind11::module& m) {
       .def("set_head", &DecodeModel::set_head, pybind11::arg("embed"), pybind11::arg("head_tiles"),
            pybind11::arg("embed_scale") = 1.0)
       .def("set_family", &DecodeModel::set_family)
+      .def("set_lora", &DecodeModel::set_lora)
+      .def("set_row_adapters", &DecodeModel::set_row_adapters)
       // touches no Python object: other Python threads (the server's) run during a step
       .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_logits", &DecodeModel::forward_logits, pybind11::call_guard<pybind11::gil_scoped_release>())

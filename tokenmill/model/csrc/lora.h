@@ -1,0 +1,55 @@
+// LoRA adapters' low-rank updates, row by row (tokenmill/model/lora.py).
+//
+// A matmul's update under one adapter: y[c] += sum_j B[c, j] * (A x)[seg[c] + j], where A
+// stacks the A matrices of the parts of a fused projection that the adapter targets (q,
+// k, v of qkv; gate, up of gate_up), B holds each output column's row of its part's B
+// (times the adapter's scale) and seg[c] says where that part's block of A x starts (-1:
+// the column is not targeted). Each row is computed alone, in a fixed order, by functions
+// defined once (lora.cpp): the separate op and the fused decode step call the same code,
+// so an adapter's rows come out the same whatever they are batched with and whichever
+// path runs them.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace tm_lora {
+
+struct Update {
+  torch::Tensor A, B, seg;  // float32 [R, k], float32 [n, r], int32 [n]
+  int64_t R = 0, r = 0, k = 0, n = 0;
+  bool defined() const { return R > 0; }
+};
+
+// Every adapter slot's updates for each of a model's matmuls (4 a layer: qkv, o,
+// gate_up, down), filled from Python as adapters load and unload.
+class LoraTable {
+ public:
+  LoraTable(int64_t slots, int64_t mats);
+  void set(int64_t slot, std::vector<torch::Tensor> As, std::vector<torch::Tensor> Bs,
+           std::vector<torch::Tensor> segs);
+  void clear(int64_t slot);
+  int64_t slots() const { return static_cast<int64_t>(updates_.size()); }
+  int64_t mats() const { return mats_; }
+  // slot's update of matmul m, or nullptr where the adapter does not target it
+  const Update* get(int64_t slot, int64_t m) const {
+    if (slot < 0 || slot >= slots()) return nullptr;
+    const Update& u = updates_[slot][m];
+    return u.defined() ? &u : nullptr;
+  }
+  // the scratch a row needs (A x), in floats: the largest R of any update
+  int64_t max_rank() const { return max_R_; }
+
+ private:
+  std::vector<std::vector<Update>> updates_;
+  int64_t mats_, max_R_ = 0;
+};
+
+// xa [R] = A x for one row x [k]
+void project_row(const Update& u, const float* x, float* xa);
+void project_row(const Update& u, const c10::BFloat16* x, float* xa);
+// columns [c0, c1) of one output row y [n] += B (A x), rounded once to y's type
+void add_row(const Update& u, const float* xa, int64_t c0, int64_t c1, float* y);
+void add_row(const Update& u, const float* xa, int64_t c0, int64_t c1, c10::BFloat16* y);
+
+}  // namespace tm_lora
