@@ -94,7 +94,7 @@ def test_both_commands_take_their_flags_from_the_fields():
     assert list(cluster) == [f.name for f in cli_fields("cluster")]
     shared = set(serve) & set(cluster)
     assert set(serve) - shared == {"engine_mode", "slo_ttft_ms", "slo_itl_ms", "slo_percentile",
-                                   "autotune_interval", "autotune_hold"}
+                                   "autotune_interval", "autotune_hold", "lora", "max_loras", "max_lora_rank"}
     assert set(cluster) - shared == {"replicas", "min_replicas", "max_replicas", "target_ongoing",
                                      "scale_down_delay", "routing", "imbalance", "address"}
     for name in shared:  # one definition: same flags, default and help in both

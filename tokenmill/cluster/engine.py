@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine.api import EngineConfig, EngineDeadError, EngineStats
+from tokenmill.engine.api import EngineConfig, EngineDeadError, EngineStats, InvalidParameter, UnknownModel
 from tokenmill.cluster.replica import rebase_times
 from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, TuneCommand, generation_defaults
 from tokenmill.logs import say
@@ -176,6 +176,14 @@ class ClusterEngine(EngineFront):
                 ray.shutdown()
 
     # -- requests -----------------------------------------------------------------------
+    async def load_adapter(self, name: str, path: str) -> dict:
+        # every replica would have to load it, and a replica started later too: not built
+        raise InvalidParameter("lora_name", "LoRA adapters are served by `tokenmill serve`, not behind "
+                                            "`tokenmill cluster serve`")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise UnknownModel(name, self.model_names())
+
     def _submit(self, cmd: AddCommand | AbortCommand | TuneCommand) -> None:
         if isinstance(cmd, AddCommand):
             self._pumps[cmd.request_id] = asyncio.ensure_future(self._pump(cmd))

@@ -24,6 +24,7 @@ from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
 from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
+from tokenmill.server.lora_routes import add_lora_routes
 from tokenmill.server.limits import ServerTokens
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.middleware import Frontdoor, ServerState, bounded_route
@@ -206,12 +207,15 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     if runner is not None:
         add_batch_routes(app, runner.store, runner, policy.batch)
 
+    add_lora_routes(app, engine, open_server=policy.keys is None)
+
     @app.get("/v1/models")
     async def models() -> dict:
         data = []
         for name in engine.model_names():
             m = engine.served(name)  # per model: tokenizer, limits, generation defaults
             data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
+                         "parent": m.parent,  # a LoRA adapter's base model
                          "max_model_len": m.max_model_len,
                          # what a request that says nothing gets (the model's own, then the server's)
                          "generation_defaults": m.defaults.as_dict()})

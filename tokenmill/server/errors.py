@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.api import AdmissionError, EngineBusy, EngineDeadError, InvalidParameter
+from tokenmill.engine.api import AdmissionError, EngineBusy, EngineDeadError, InvalidParameter, UnknownModel
 
 log = logging.getLogger("tokenmill.server")
 
@@ -78,6 +78,8 @@ def as_api_error(exc: Exception) -> APIError | None:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, AdmissionError):
         return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, UnknownModel):
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, EngineBusy):
         return APIError(503, str(exc), code="engine_busy", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
@@ -93,6 +95,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AdmissionError)
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(EngineBusy)
+    @app.exception_handler(UnknownModel)
     @app.exception_handler(RequestValidationError)
     async def _client_error(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()

@@ -34,6 +34,8 @@ class TenantLimits:
     spend_alarm_block: bool = False  # refuse new requests while the alarm is raised
     default_class: str = "interactive"
     allowed_classes: tuple[str, ...] = CLASSES
+    # the models and LoRA adapters the key may name (None: all); others answer 404, as unknown ones
+    allowed_models: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -86,6 +88,8 @@ def _limits_from_text(text: str) -> TenantLimits:
 
     d = json.loads(text)
     d["allowed_classes"] = tuple(d.get("allowed_classes", CLASSES))
+    if d.get("allowed_models") is not None:
+        d["allowed_models"] = tuple(d["allowed_models"])
     known = {f.name for f in dataclasses.fields(TenantLimits)}
     return TenantLimits(**{k: v for k, v in d.items() if k in known})
 

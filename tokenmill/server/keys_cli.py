@@ -36,6 +36,9 @@ def add(
     default_class: str = typer.Option("interactive", "--class", help="Default request class: interactive|batch."),
     allow_batch: bool = typer.Option(True, "--allow-batch/--no-batch"),
     allow_interactive: bool = typer.Option(True, "--allow-interactive/--batch-only"),
+    models: Optional[str] = typer.Option(None, "--models",
+                                         help="Comma-separated models and LoRA adapters the key may name "
+                                              "(default: all); others answer 404."),
     admin: Optional[bool] = typer.Option(None, "--admin/--no-admin",
                                          help="The tenant sees every tenant's usage and the server's state in "
                                               "the console (/v1/stats); default: unchanged (new: no)."),
@@ -46,7 +49,7 @@ def add(
 
     allowed = tuple(c for c, ok in (("interactive", allow_interactive), ("batch", allow_batch)) if ok)
     given = any(v is not None for v in (rpm, tpm, max_concurrency, max_prompt_tokens, max_output_tokens, max_n,
-                                        max_work_tokens, work_budget, budget_usd, alarm_usd))
+                                        max_work_tokens, work_budget, budget_usd, alarm_usd, models))
     try:
         limits = TenantLimits(rpm=rpm, tpm=tpm, max_concurrency=max_concurrency, max_prompt_tokens=max_prompt_tokens,
                               max_output_tokens=max_output_tokens, max_n=max_n, max_work_tokens=max_work_tokens,
@@ -54,7 +57,9 @@ def add(
                               spend_budget_usd=budget_usd, spend_period_s=budget_period,
                               spend_alarm_usd=alarm_usd, spend_alarm_window_s=alarm_window,
                               spend_alarm_block=alarm_block,
-                              default_class=default_class, allowed_classes=allowed)
+                              default_class=default_class, allowed_classes=allowed,
+                              allowed_models=tuple(m.strip() for m in models.split(",") if m.strip())
+                              if models is not None else None)
         store = KeyStore(db)
         existing = store.tenant(tenant)
         key = store.add_key(tenant, limits if (given or existing is None or default_class != "interactive"

@@ -175,6 +175,9 @@ def _engine(options: ServeOptions) -> EngineClient:
 
     try:
         config = options.engine_config()
+        for name, path in config.lora.adapters:
+            if not os.path.exists(path):
+                raise OptionError(f"--lora {name}={path}: {path} does not exist")
         return _cluster_engine(options, config) if options.cluster else make_engine(config, options.engine_mode)
     except (ValueError, ModelLoadError) as exc:
         raise OptionError(str(exc)) from None

@@ -181,6 +181,8 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.responses = Counter("tokenmill_http_responses", "HTTP responses by status code.",
                                  ["status_code"], registry=r)
+        self.model_tokens = Counter("tokenmill_model_tokens", "Prompt and output tokens of finished requests by "
+                                    "the model or LoRA adapter they named.", ["model", "kind"], registry=r)
         self.cost = Counter("tokenmill_cost_usd", "Priced cost of requests in USD.", ["tenant", "model"],
                             registry=r)
         self.alarm_raised = Counter("tokenmill_spend_alarms", "Times a spend alarm was raised, by scope "
@@ -200,8 +202,9 @@ class Metrics:
                                         ["knob", "direction"], registry=r)
         r.register(_EngineCollector(stats, replicas, decisions))
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """Record one finished sample (the first sample also records its prompt)."""
+    def observe_finished(self, out: RequestOutput, model: str | None = None) -> None:
+        """Record one finished sample (the first sample also records its prompt), under
+        the model or adapter the request named."""
         t = out.times
         if t is not None:
             if out.index == 0:
@@ -221,6 +224,10 @@ class Metrics:
         self.generation_tokens.inc(out.num_output_tokens)
         self.reasoning_tokens.inc(out.num_reasoning_tokens)
         self.requests.labels(finish_reason=out.finish_reason or "unknown").inc()
+        if model is not None:
+            if out.index == 0:
+                self.model_tokens.labels(model=model, kind="prompt").inc(out.num_prompt_tokens)
+            self.model_tokens.labels(model=model, kind="output").inc(out.num_output_tokens)
 
     def observe_loop_lag(self, lag_s: float) -> None:
         self.loop_lag.set(lag_s)

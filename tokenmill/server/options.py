@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tokenmill.cluster.routing import POLICIES
-from tokenmill.config import (DEFAULT_MAX_TOKENS, CacheConfig, EngineConfig, ModelOptions, RequestBounds,
-                              SchedulerConfig, SpeculativeConfig)
+from tokenmill.config import (DEFAULT_MAX_TOKENS, CacheConfig, EngineConfig, LoraConfig, ModelOptions,
+                              RequestBounds, SchedulerConfig, SpeculativeConfig)
 from tokenmill.engine.factory import ENGINE_MODES
 
 MODEL_HELP = ("GGUF file, Hugging Face folder, or an installed model's name (tokenmill models list; default: the "
@@ -69,6 +69,15 @@ class ServeOptions:
     port: int = option(8000, "--port")
     served_model_name: str | None = option(None, "--served-model-name",
                                            "Model id to serve (default: the model's name).")
+    lora: list[str] | None = option(
+        None, "--lora", "A LoRA adapter of the model as NAME=PATH (a PEFT folder, or a llama.cpp LoRA GGUF): "
+                        "requests name it as their model; repeat for more. Requests on adapters and on the model "
+                        "share batches.", only="serve")
+    max_loras: int | None = option(
+        None, "--max-loras", "LoRA adapters resident at once; the least recently used idle one makes room for "
+                             "another (default: 4 with --lora, else 0: adapters off, none may be loaded).",
+        only="serve")
+    max_lora_rank: int = option(64, "--max-lora-rank", "The highest LoRA rank an adapter may have.", only="serve")
     chat_template: str | None = option(
         None, "--chat-template", "A Jinja chat template file to use instead of the model's own (as transformers "
                                  "renders it; one that mentions `tools` gets the request's tools and tool calls "
@@ -261,7 +270,24 @@ class ServeOptions:
             max_model_len=self.max_model_len,
             num_threads=self.num_threads,
             bounds=RequestBounds(max_n=self.max_n, max_body_bytes=int(self.max_body_mb * 1024 * 1024)),
+            lora=self.lora_config(),
         )
+
+    def lora_config(self) -> LoraConfig:
+        adapters = []
+        for spec in self.lora or []:
+            name, sep, path = spec.partition("=")
+            if not (sep and name.strip() and path.strip()):
+                raise OptionError(f"--lora takes NAME=PATH, got {spec!r}")
+            if any(name.strip() == n for n, _ in adapters):
+                raise OptionError(f"--lora names {name.strip()!r} twice")
+            adapters.append((name.strip(), path.strip()))
+        max_loras = self.max_loras if self.max_loras is not None else (max(4, len(adapters)) if adapters else 0)
+        if max_loras < len(adapters):
+            raise OptionError(f"--max-loras {max_loras} is below the {len(adapters)} adapters given with --lora")
+        if max_loras < 0 or self.max_lora_rank < 1:
+            raise OptionError("--max-loras must be 0 or more and --max-lora-rank positive")
+        return LoraConfig(tuple(adapters), max_loras, self.max_lora_rank)
 
 
 def cli_fields(command: str) -> list[dataclasses.Field]:

@@ -42,7 +42,7 @@ class Pricer:
             c = priced[-1] if priced else self.cost(usage, batch)  # cut short: price what was used
             tenant = ctx.tenant or "anonymous"
             ctx.cost_usd = float(c.total_usd)
-            self.metrics.cost.labels(tenant=tenant, model=self.model_name).inc(float(c.total_usd))
+            self.metrics.cost.labels(tenant=tenant, model=ctx.model or self.model_name).inc(float(c.total_usd))
             if self.ledger is not None:
                 self.ledger.record(tenant, c.total_usd)
 

@@ -53,6 +53,7 @@ class RequestContext:
     the app's middleware calls it when the HTTP exchange ends, however it ends."""
     request_id: str  # our id, unique: the engine's key and the response's `id`
     tenant: str | None = None
+    model: str | None = None  # what the request named (a model or a LoRA adapter); None: the default
     limits: Any = None  # the tenant's TenantLimits when a gate admitted it
     priority: int = Priority.INTERACTIVE
     deadline: float | None = None  # time.monotonic() after which the work is abandoned
@@ -93,12 +94,23 @@ class BaseServing:
         self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
 
     # -- request side -------------------------------------------------------------------
-    def check_model(self, model: str) -> None:
-        """The engine client says which names it serves (the one namespace of models)."""
+    def check_model(self, model: str, ctx: RequestContext | None = None) -> None:
+        """The engine client says which names it serves (the one namespace of models and
+        adapters); a key limited to some of them gets the same 404 for the others. With
+        `ctx`, the request runs on that model from here on."""
+        allowed = getattr(ctx.limits, "allowed_models", None) if ctx is not None else None
         try:
+            if allowed is not None and model not in allowed:
+                raise UnknownModel(model, allowed)
             self.engine.served(model)
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
+        if ctx is not None:
+            ctx.model = model
+
+    def answered_by(self, ctx: RequestContext) -> str:
+        """The name a response reports: the model or adapter the request named."""
+        return ctx.model or self.model_name
 
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
@@ -121,7 +133,7 @@ class BaseServing:
         reserved by the gate. Returns what the engine runs."""
         num_prompt = sum(len(ids) for ids in prompts)
         try:
-            served = self.engine.served(self.model_name)
+            served = self.engine.served(ctx.model or self.model_name)
             cap = ctx.gate.output_cap(ctx, num_prompt, params.n) if ctx.gate is not None else None
             resolved = served.resolve(prompts, params, cap=cap)
         except InvalidParameter as exc:
@@ -140,8 +152,8 @@ class BaseServing:
     def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: ResolvedParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         try:
-            return self.engine.generate(sub_id, ids, params, priority=ctx.priority, cache_salt=cache_salt,
-                                        tenant=ctx.tenant, deadline=ctx.deadline)
+            return self.engine.generate(sub_id, ids, params, model=ctx.model, priority=ctx.priority,
+                                        cache_salt=cache_salt, tenant=ctx.tenant, deadline=ctx.deadline)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
 
@@ -155,7 +167,7 @@ class BaseServing:
     # -- output side --------------------------------------------------------------------
     def record(self, ctx: RequestContext, out: RequestOutput) -> None:
         if out.finished:
-            self.metrics.observe_finished(out)
+            self.metrics.observe_finished(out, self.answered_by(ctx))
         if ctx.trace is not None:
             ctx.trace.observe(out)
 

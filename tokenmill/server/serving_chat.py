@@ -54,6 +54,7 @@ class ServingChat(BaseServing):
     async def prepare_body(self, body: ChatCompletionRequest, ctx: RequestContext) -> tuple[list[int], Any]:
         """Everything checked and the prompt tokenized: (prompt ids, params to run). With
         no gate on ctx this is only the check (a batch line's validation)."""
+        self.check_model(body.model, ctx)
         text = await self.render_text(body)
         ids = await self.encode(text, "messages", add_special_tokens=False)
         if self._tag_tokens is None:
@@ -167,7 +168,7 @@ class ServingChat(BaseServing):
                            self._reasoning_tokens(body, [c.num_reasoning_tokens for c in choices.values()]))
         answers = {c.index: self._answer(body, c) for c in choices.values()}
         return {
-            "id": ctx.request_id, "object": "chat.completion", "created": now(), "model": self.model_name,
+            "id": ctx.request_id, "object": "chat.completion", "created": now(), "model": self.answered_by(ctx),
             "choices": [{
                 "index": c.index, "message": answers[c.index][0],
                 "logprobs": {"content": rendered[c.index]} if body.logprobs else None,
@@ -181,7 +182,7 @@ class ServingChat(BaseServing):
                      include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         created = now()
         base = {"id": ctx.request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name}
+                "model": self.answered_by(ctx)}
         if include_usage:
             base["usage"] = None
 

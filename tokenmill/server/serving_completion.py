@@ -48,7 +48,7 @@ class ServingCompletion(BaseServing):
     async def prepare_body(self, body: CompletionRequest, ctx: RequestContext):
         """Everything checked and the prompts tokenized: ([(text, ids)], params to run).
         With no gate on ctx this is only the check (a batch line's validation)."""
-        self.check_model(body.model)
+        self.check_model(body.model, ctx)
         if body.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
         prompts = await self._prompts(body.prompt)
@@ -109,7 +109,7 @@ class ServingCompletion(BaseServing):
         if body.logprobs is not None:  # a whole prompt's worth with echo: off the event loop
             rendered = await asyncio.to_thread(lambda: {k: self._logprobs(c.logprobs, 0) for k, c in choices.items()})
         return {
-            "id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.model_name,
+            "id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.answered_by(ctx),
             "choices": [{
                 "index": c.index, "text": c.text,
                 "logprobs": rendered.get(c.index),
@@ -122,7 +122,7 @@ class ServingCompletion(BaseServing):
     async def _stream(self, body: CompletionRequest, ctx: RequestContext, prompts, streams,
                       include_usage: bool) -> AsyncIterator[str]:
         n = body.n
-        base = {"id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.model_name}
+        base = {"id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.answered_by(ctx)}
         if include_usage:
             base["usage"] = None
         started: set[int] = set()
