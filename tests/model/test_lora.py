@@ -160,6 +160,29 @@ def test_mixed_batch_equals_each_alone(kit, mode):
     assert len({tuple(t) for t, _ in together.values()}) == len(requests)  # each adapter answers its own way
 
 
+def test_fused_step_equals_separate_ops_with_adapters(kit):
+    """The fused decode step's adapter updates (split by columns across its threads) give
+    the separate native ops' numbers (split by rows): a decode row on an adapter gets the
+    same tokens and logprobs whichever path its step takes."""
+    from tokenmill.model.loader import load_model
+
+    if ops is None or not ops.decode_step_available():
+        pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
+    _, base_dir, _, adapters = kit
+    loaded = load_model(str(base_dir), "bfloat16", "int4")
+    requests = {"a1": (_ids(9, seed=1), "a1"), "a2": (_ids(13, seed=2), "a2"), "base": (_ids(5, seed=3), None),
+                "a3": (_ids(11, seed=4), "a3")}
+    results = {}
+    for fused in (True, False):
+        engine = _engine(loaded, adapters)
+        if fused:
+            counter = engine.runner.fused.native = _Counting(engine.runner.fused.native)
+        else:
+            engine.runner.fused = None
+        results[fused] = _run(engine, requests)[0]
+    assert counter.rows and results[True] == results[False]
+
+
 def test_gguf_twin_equals_peft_folder(kit, tmp_path):
     """The llama.cpp LoRA GGUF of the same weights (llama-arch q/k rows interleaved as
     llama.cpp's converter writes them) gives the folder's logits."""

@@ -422,7 +422,7 @@ class DecodeModel {
     BF16* outp = out.data_ptr<BF16>();
     const int64_t* adapters = row_adapters_.defined() && row_adapters_.numel() ? row_adapters_.data_ptr<int64_t>() : nullptr;
     TORCH_CHECK(!adapters || row_adapters_.numel() == M, "one adapter slot a row");
-    const int64_t lora_rank = adapters ? lora_->max_rank() : 0;
+    const int64_t lora_scratch = adapters ? lora_->scratch() : 0;
     auto mm = [&](const Mat& m, const QuantX& xq, int64_t t0, int64_t t1, BF16* y) {
       const uint8_t* w = m.tiles.data_ptr<uint8_t>();
       switch (m.kind) {
@@ -446,15 +446,14 @@ class DecodeModel {
       // each thread's own residual stream and norm output (row-sized work: cheaper done
       // twice than shared through a barrier)
       std::vector<BF16> hp(h0, h0 + M * hid), xp(M * hid), act(M * I), normed(M * hid);
-      std::vector<float> xa(lora_rank);
+      std::vector<float> lora_buf(lora_scratch);
       // columns [c0, c1) of matmul mi's output y (rows of yn) += each row's adapter update from x (rows of xk)
       auto lora = [&](int64_t l, int64_t mi, const BF16* x, int64_t xk, int64_t c0, int64_t c1, BF16* y, int64_t yn) {
         if (!adapters || c1 <= c0) return;
         for (int64_t b = 0; b < M; ++b) {
           const tm_lora::Update* u = lora_->get(adapters[b], 4 * l + mi);
           if (u == nullptr) continue;
-          tm_lora::project_row(*u, x + b * xk, xa.data());
-          tm_lora::add_row(*u, xa.data(), c0, c1, y + b * yn);
+          tm_lora::update_row(*u, x + b * xk, c0, c1, y + b * yn, lora_buf.data());
         }
       };
 #if TM_FUSED_CHUNKED_ATTENTION

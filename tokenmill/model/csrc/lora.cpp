@@ -3,6 +3,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <cmath>
+#include <cstdint>
 #include <memory>
 
 namespace tm_lora {
@@ -23,12 +25,23 @@ void LoraTable::set(int64_t slot, std::vector<torch::Tensor> As, std::vector<tor
     TORCH_CHECK(A.scalar_type() == at::kFloat && B.scalar_type() == at::kFloat && seg.scalar_type() == at::kInt,
                 "A and B float32, seg int32");
     TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && seg.dim() == 1 && seg.size(0) == B.size(0), "A [R, k], B [n, r], seg [n]");
-    TORCH_CHECK(A.is_contiguous() && B.is_contiguous() && seg.is_contiguous(), "contiguous");
-    Update u{A, B, seg, A.size(0), B.size(1), A.size(1), B.size(0)};
-    const int32_t* s = seg.data_ptr<int32_t>();
-    for (int64_t c = 0; c < u.n; ++c) TORCH_CHECK(s[c] < 0 || s[c] + u.r <= u.R, "seg out of range");
+    Update u;
+    u.AT = A.t().contiguous();
+    u.BT = B.t().contiguous();
+    u.R = A.size(0), u.k = A.size(1), u.r = B.size(1), u.n = B.size(0);
+    auto sc = seg.contiguous();
+    const int32_t* s = sc.data_ptr<int32_t>();
+    for (int64_t c = 0; c < u.n;) {  // runs of columns that share a block of A x
+      int64_t e = c;
+      while (e < u.n && s[e] == s[c]) ++e;
+      TORCH_CHECK(s[c] < 0 || s[c] + u.r <= u.R, "seg out of range");
+      if (s[c] >= 0) u.parts.push_back({c, e, s[c]});
+      c = e;
+    }
     max_R_ = std::max(max_R_, u.R);
-    row[m] = u;
+    max_k_ = std::max(max_k_, u.k);
+    max_n_ = std::max(max_n_, u.n);
+    row[m] = std::move(u);
   }
   updates_[slot] = std::move(row);
 }
@@ -39,48 +52,55 @@ void LoraTable::clear(int64_t slot) {
 }
 
 template <typename T>
-static void project(const Update& u, const T* x, float* xa) {
-  const float* A = u.A.data_ptr<float>();
-  for (int64_t i = 0; i < u.R; ++i) {
-    const float* a = A + i * u.k;
-    float s = 0.f;
-    for (int64_t e = 0; e < u.k; ++e) s += a[e] * static_cast<float>(x[e]);
-    xa[i] = s;
+static void update(const Update& u, const T* x, int64_t c0, int64_t c1, T* y, float* scratch) {
+  // (64-byte aligned pieces of the scratch: the loops below never depend on where it lies)
+  float* xf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
+  float* xa = xf + ((u.k + 15) & ~int64_t(15));
+  float* acc = xa + ((u.R + 15) & ~int64_t(15));
+  for (int64_t e = 0; e < u.k; ++e) xf[e] = static_cast<float>(x[e]);
+  const float* AT = u.AT.data_ptr<float>();
+  std::fill(xa, xa + u.R, 0.f);
+  for (int64_t e = 0; e < u.k; ++e) {  // A x as k axpys: each of its R sums in e order
+    const float v = xf[e];
+    const float* at = AT + e * u.R;
+    for (int64_t i = 0; i < u.R; ++i) xa[i] = std::fma(v, at[i], xa[i]);
+  }
+  const float* BT = u.BT.data_ptr<float>();
+  for (const Part& p : u.parts) {
+    const int64_t a = std::max(c0, p.c0), b = std::min(c1, p.c1);
+    if (a >= b) continue;
+    std::fill(acc + a, acc + b, 0.f);
+    for (int64_t j = 0; j < u.r; ++j) {  // an axpy a rank: each column's sum in j order
+      const float v = xa[p.r0 + j];
+      const float* bt = BT + j * u.n;
+      for (int64_t c = a; c < b; ++c) acc[c] = std::fma(v, bt[c], acc[c]);
+    }
+    for (int64_t c = a; c < b; ++c) y[c] = static_cast<T>(static_cast<float>(y[c]) + acc[c]);
   }
 }
 
-template <typename T>
-static void add(const Update& u, const float* xa, int64_t c0, int64_t c1, T* y) {
-  const float* B = u.B.data_ptr<float>();
-  const int32_t* seg = u.seg.data_ptr<int32_t>();
-  for (int64_t c = c0; c < c1; ++c) {
-    if (seg[c] < 0) continue;
-    const float* b = B + c * u.r;
-    const float* v = xa + seg[c];
-    float s = 0.f;
-    for (int64_t j = 0; j < u.r; ++j) s += b[j] * v[j];
-    y[c] = static_cast<T>(static_cast<float>(y[c]) + s);
-  }
+void update_row(const Update& u, const float* x, int64_t c0, int64_t c1, float* y, float* scratch) {
+  update(u, x, c0, c1, y, scratch);
 }
-
-void project_row(const Update& u, const float* x, float* xa) { project(u, x, xa); }
-void project_row(const Update& u, const c10::BFloat16* x, float* xa) { project(u, x, xa); }
-void add_row(const Update& u, const float* xa, int64_t c0, int64_t c1, float* y) { add(u, xa, c0, c1, y); }
-void add_row(const Update& u, const float* xa, int64_t c0, int64_t c1, c10::BFloat16* y) { add(u, xa, c0, c1, y); }
+void update_row(const Update& u, const c10::BFloat16* x, int64_t c0, int64_t c1, c10::BFloat16* y, float* scratch) {
+  update(u, x, c0, c1, y, scratch);
+}
 
 template <typename T>
 static void apply(const LoraTable& t, int64_t m, const torch::Tensor& x, torch::Tensor& y, const int64_t* slots) {
   const int64_t M = x.size(0), k = x.size(1), n = y.size(1);
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
+  for (int64_t b = 0; b < M; ++b) {
+    const Update* u = t.get(slots[b], m);
+    TORCH_CHECK(u == nullptr || (u->k == k && u->n == n), "adapter shape does not match the matmul");
+  }
   at::parallel_for(0, M, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> xa(t.max_rank());
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < t.scratch()) scratch.resize(t.scratch());
     for (int64_t b = b0; b < b1; ++b) {
       const Update* u = t.get(slots[b], m);
-      if (u == nullptr) continue;
-      TORCH_CHECK(u->k == k && u->n == n, "adapter shape does not match the matmul");
-      project_row(*u, xp + b * k, xa.data());
-      add_row(*u, xa.data(), 0, n, yp + b * n);
+      if (u != nullptr) update_row(*u, xp + b * k, 0, n, yp + b * n, scratch.data());
     }
   });
 }

@@ -15,8 +15,16 @@
 
 namespace tm_lora {
 
+// One part of a fused matmul's outputs: columns [c0, c1) take A x's block from r0.
+struct Part {
+  int64_t c0, c1, r0;
+};
+
 struct Update {
-  torch::Tensor A, B, seg;  // float32 [R, k], float32 [n, r], int32 [n]
+  // float32 [k, R] and [r, n]: A and B transposed, so that both products are axpys over
+  // contiguous rows (vectorized, each sum in one fixed order)
+  torch::Tensor AT, BT;
+  std::vector<Part> parts;  // the targeted column runs, in order
   int64_t R = 0, r = 0, k = 0, n = 0;
   bool defined() const { return R > 0; }
 };
@@ -37,19 +45,21 @@ class LoraTable {
     const Update& u = updates_[slot][m];
     return u.defined() ? &u : nullptr;
   }
-  // the scratch a row needs (A x), in floats: the largest R of any update
-  int64_t max_rank() const { return max_R_; }
+  // the scratch a row needs, in floats: A x (the largest R), x as floats and a row of
+  // updates (the largest k and n)
+  int64_t scratch() const { return max_R_ + max_k_ + max_n_ + 48; }
 
  private:
   std::vector<std::vector<Update>> updates_;
-  int64_t mats_, max_R_ = 0;
+  int64_t mats_, max_R_ = 0, max_k_ = 0, max_n_ = 0;
 };
 
-// xa [R] = A x for one row x [k]
-void project_row(const Update& u, const float* x, float* xa);
-void project_row(const Update& u, const c10::BFloat16* x, float* xa);
-// columns [c0, c1) of one output row y [n] += B (A x), rounded once to y's type
-void add_row(const Update& u, const float* xa, int64_t c0, int64_t c1, float* y);
-void add_row(const Update& u, const float* xa, int64_t c0, int64_t c1, c10::BFloat16* y);
+// Columns [c0, c1) of one output row y [n] += B (A x) for one input row x [k], rounded
+// once to y's type; `scratch`: LoraTable::scratch() floats. Every column's sums run in
+// one fixed order whatever [c0, c1) and the buffers' addresses, so threads that split
+// the columns, and the separate op that does not, give the same numbers.
+void update_row(const Update& u, const float* x, int64_t c0, int64_t c1, float* y, float* scratch);
+void update_row(const Update& u, const c10::BFloat16* x, int64_t c0, int64_t c1, c10::BFloat16* y,
+                float* scratch);
 
 }  // namespace tm_lora
