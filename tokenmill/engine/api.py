@@ -24,8 +24,8 @@ from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBo
                               SpeculativeConfig)
 from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, AdmissionError, CachePin, Choice,
                                     EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
-                                    RequestOutput, RequestTimes, ResolvedParams, SamplingParams, StructuredOutput,
-                                    TokenLogprob)
+                                    RequestOutput, RequestTimes, ResolvedParams, SamplingParams, Snapshot,
+                                    SnapshotMismatch, StructuredOutput, TokenLogprob, split_snapshot_id)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -35,8 +35,8 @@ __all__ = [
     "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EngineClient", "EngineConfig",
     "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions",
     "Priority", "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
-    "SchedulerConfig", "ServedModel", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
-    "UnknownModel", "check_knobs",
+    "SchedulerConfig", "ServedModel", "Snapshot", "SnapshotMismatch", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
+    "UnknownModel", "check_knobs", "split_snapshot_id",
 ]
 
 
@@ -237,6 +237,7 @@ class ServedModel:
     config: ModelConfig
     defaults: GenerationDefaults  # the model's generation defaults, then the server's
     started_limits: RequestLimits | None  # None until the engine has started (its KV cache sized)
+    snapshot: Snapshot | None = None  # None: a model built in memory, with no files to pin
 
     @property
     def limits(self) -> RequestLimits:

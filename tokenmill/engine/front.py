@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.config import ModelOptions, RequestBounds
 from tokenmill.engine.api import RequestLimits, ServedModel, UnknownModel, check_knobs
 from tokenmill.engine.types import (EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
-                                    RequestOutput, ResolvedParams, SamplingParams)
+                                    RequestOutput, ResolvedParams, SamplingParams, Snapshot)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -85,8 +85,10 @@ class EngineFront:
     subclasses run the loop."""
 
     def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, bounds: RequestBounds,
-                 name: str | None = None, defaults: GenerationDefaults | None = None):
+                 name: str | None = None, defaults: GenerationDefaults | None = None,
+                 snapshot: Snapshot | None = None):
         self.tokenizer = tokenizer
+        self.snapshot = snapshot  # what the model's outputs depend on (None: a model built in memory)
         self.model_config = model_config
         self.name = name or model_config.name  # what requests call this model
         self.defaults = defaults or GenerationDefaults()
@@ -129,7 +131,7 @@ class EngineFront:
     def served(self, model: str | None = None) -> ServedModel:
         if model is not None and model != self.name:
             raise UnknownModel(model, self.model_names())
-        return ServedModel(self.name, self.tokenizer, self.model_config, self.defaults, self._limits)
+        return ServedModel(self.name, self.tokenizer, self.model_config, self.defaults, self._limits, self.snapshot)
 
     def stats(self) -> EngineStats:
         # a snapshot refreshed by the loop after each step
