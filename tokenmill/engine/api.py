@@ -25,7 +25,8 @@ from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBo
 from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, AdmissionError, CachePin, Choice,
                                     EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
                                     RequestOutput, RequestTimes, ResolvedParams, SamplingParams, Snapshot,
-                                    SnapshotMismatch, StructuredOutput, TokenLogprob, split_snapshot_id)
+                                    SnapshotMismatch, StructuredOutput, TokenLogprob, split_snapshot_id,
+                                    text_digest)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -36,7 +37,7 @@ __all__ = [
     "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions",
     "Priority", "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
     "SchedulerConfig", "ServedModel", "Snapshot", "SnapshotMismatch", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
-    "UnknownModel", "check_knobs", "split_snapshot_id",
+    "UnknownModel", "check_knobs", "split_snapshot_id", "text_digest",
 ]
 
 

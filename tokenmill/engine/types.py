@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 __all__ = [
     "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
     "GenerationDefaults", "InvalidParameter", "Priority", "RequestOutput", "RequestTimes", "ResolvedParams",
-    "SamplingParams", "Snapshot", "SnapshotMismatch", "StructuredOutput", "TokenLogprob",
+    "SamplingParams", "Snapshot", "SnapshotMismatch", "StructuredOutput", "TokenLogprob", "split_snapshot_id", "text_digest",
 ]
 
 
@@ -97,6 +97,11 @@ class Snapshot:
             return
         if len(pin) < SNAPSHOT_HEX or not self.digest.startswith(pin.lower()):
             raise SnapshotMismatch(requested, self.id)
+
+
+def text_digest(text: str) -> str:
+    """A manifest's digest of a text part (the chat template, the tokenizer)."""
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def split_snapshot_id(model: str) -> tuple[str, str | None]:

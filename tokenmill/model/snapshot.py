@@ -26,7 +26,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 import tokenmill
-from tokenmill.engine.types import GenerationDefaults, Snapshot
+from tokenmill.engine.types import GenerationDefaults, Snapshot, text_digest
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -87,20 +87,16 @@ def file_digests(path: str, root: str | None = None) -> dict[str, str]:
     return out
 
 
-def _sha(text: str) -> str:
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def tokenizer_digest(tokenizer: Tokenizer | None) -> str | None:
     """The tokenizer as the server runs it (its whole serialized form, BOS and EOS ids):
     ~20 ms for a 49K vocabulary, so it is not remembered."""
     if tokenizer is None:
         return None
-    return _sha(tokenizer.hf.to_str() + json.dumps([tokenizer.bos_token_id, list(tokenizer.eos_token_ids)]))
+    return text_digest(tokenizer.hf.to_str() + json.dumps([tokenizer.bos_token_id, list(tokenizer.eos_token_ids)]))
 
 
 def template_digest(source: str | None) -> str | None:
-    return None if source is None else _sha(source)
+    return None if source is None else text_digest(source)
 
 
 def manifest(config: EngineConfig, info: ModelInfo, defaults: GenerationDefaults, path: str) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.api import (CACHE_TTLS, AdmissionError, EngineClient, EngineDeadError, InvalidParameter,
-                                  Priority, RequestOutput, ResolvedParams, SamplingParams, UnknownModel)
+                                  Priority, RequestOutput, ResolvedParams, SamplingParams, Snapshot, SnapshotMismatch,
+                                  UnknownModel, split_snapshot_id)
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import Metrics
@@ -62,6 +63,7 @@ class RequestContext:
     usage_hooks: list[Callable[[RequestContext, dict[str, Any]], None]] = field(default_factory=list)
     finalizers: list[Callable[[dict[str, Any] | None], None]] = field(default_factory=list)
     trace: Any = None  # tokenmill.server.telemetry.RequestTrace, when observed
+    capture: Any = None  # tokenmill.server.capture.Recording, when the request is captured
     cost_usd: float | None = None  # what it was priced at (set by the pricer when it settles)
     status_code: int = 200  # the HTTP status it ended with
     _finished: bool = False
@@ -90,15 +92,36 @@ class BaseServing:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        # what the answers depend on (system_fingerprint; a pinned `model` must match it):
+        # the engine's snapshot, with the server's own chat template when it has one (build_app)
+        self.snapshot: Snapshot | None = engine.served(model_name).snapshot
+        self.aliases: dict[str, Any] = {}  # name -> tokenmill.server.aliases.ModelAlias
         self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
 
     # -- request side -------------------------------------------------------------------
     def check_model(self, model: str) -> None:
-        """The engine client says which names it serves (the one namespace of models)."""
+        """The engine client says which names it serves (the one namespace of models); an
+        alias stands for its target; a pinned snapshot id must name the snapshot served."""
+        alias = self.aliases.get(model)
+        target = alias.target if alias is not None else model
+        name, pin = split_snapshot_id(target)
         try:
-            self.engine.served(model)
+            served = self.engine.served(name)
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
+        if pin is None:
+            return
+        snapshot = self.snapshot if name == self.model_name else served.snapshot
+        try:
+            if snapshot is None:
+                raise SnapshotMismatch(target, f"{name} (a model without files: no snapshot)")
+            snapshot.check(target)
+        except SnapshotMismatch as exc:
+            raise APIError(409, str(exc), param="model", code="snapshot_mismatch") from None
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.snapshot.id if self.snapshot is not None else None
 
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
@@ -131,6 +154,8 @@ class BaseServing:
             raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
+        if ctx.capture is not None:
+            resolved = ctx.capture.start(resolved, self.fingerprint or self.model_name)
         if ctx.gate is not None:
             capped = cap is not None and resolved.max_tokens == cap and (params.max_tokens or cap + 1) > cap
             ctx.gate.reserve(ctx, num_prompt, resolved, capped)
@@ -139,6 +164,8 @@ class BaseServing:
 
     def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: ResolvedParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+        if ctx.capture is not None:
+            ctx.capture.prompt(sub_id, ids)
         try:
             return self.engine.generate(sub_id, ids, params, priority=ctx.priority, cache_salt=cache_salt,
                                         tenant=ctx.tenant, deadline=ctx.deadline)
@@ -156,6 +183,8 @@ class BaseServing:
     def record(self, ctx: RequestContext, out: RequestOutput) -> None:
         if out.finished:
             self.metrics.observe_finished(out)
+        if ctx.capture is not None:
+            ctx.capture.observe(out)
         if ctx.trace is not None:
             ctx.trace.observe(out)
 
