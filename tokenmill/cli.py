@@ -226,7 +226,7 @@ def replay(
     path = db or os.path.join(default_data_dir(port), "captures.db")
     if not os.path.isfile(path):
         _fail(f"no captures at {path} (pass --db)")
-    store = CaptureStore(path)
+    store = CaptureStore(path, read_only=True)
     try:
         captured = store.get(capture_id)
     finally:

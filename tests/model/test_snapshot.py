@@ -148,7 +148,8 @@ def test_the_kernels_key_without_torch_is_the_build_plans(embedded_path):
 
     assert current_key() == plan_build().key
     code = ("import sys\nfrom tokenmill.engine.async_engine import AsyncEngine\nfrom tokenmill.config import "
-            f"EngineConfig, ModelOptions\ne = AsyncEngine.load(EngineConfig(model=ModelOptions(path={embedded_path!r})))"
+            "EngineConfig, ModelOptions\n"
+            f"e = AsyncEngine.load(EngineConfig(model=ModelOptions(path={embedded_path!r})))"
             "\nassert e.served().snapshot.manifest['kernels']\n"
             "assert 'torch' not in sys.modules, 'the snapshot pulled in torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

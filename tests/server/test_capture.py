@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -51,8 +53,13 @@ def test_the_store_keeps_captures_within_retention_and_size(tmp_path):
         small.add(_captured(i, now))
     assert small.size_bytes <= 3 * one
     assert small.ids() == ["c7", "c6"]  # newest kept, oldest gone first
-    import os
     assert os.stat(path).st_mode & 0o077 == 0  # the owner's only
+    small.close()
+    reader = CaptureStore(path, retention_s=1, max_bytes=1, read_only=True)  # prunes nothing
+    assert reader.ids() == ["c7", "c6"]
+    with pytest.raises(sqlite3.OperationalError):
+        reader.add(_captured(9, now))
+    reader.close()
 
 
 def test_aliases_parse_and_deprecate():
@@ -137,7 +144,7 @@ async def _send_all(url: str, reqs: list[tuple[str, dict]]) -> list[str]:
 def _wait_for(store_path: str, ids: list[str], timeout: float = 30.0) -> dict[str, Captured]:
     deadline = time.monotonic() + timeout
     while True:
-        store = CaptureStore(store_path)
+        store = CaptureStore(store_path, read_only=True)
         got = {i: store.get(i) for i in ids}
         store.close()
         if all(got.values()) or time.monotonic() > deadline:
@@ -225,7 +232,7 @@ def test_capture_replays_identically_in_exact_mode_and_shows_a_changed_setting(t
             got.append(r.json()["id"])
         captured = _wait_for(db_c, got[:1])
         assert captured[got[0]].tenant == "audited"
-        store = CaptureStore(db_c)
+        store = CaptureStore(db_c, read_only=True)
         assert store.get(got[1]) is None and len(store.ids()) == 1  # neither the other key's nor the replays
         store.close()
         log = c.stop()

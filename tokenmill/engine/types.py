@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 __all__ = [
     "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
     "GenerationDefaults", "InvalidParameter", "Priority", "RequestOutput", "RequestTimes", "ResolvedParams",
-    "SamplingParams", "Snapshot", "SnapshotMismatch", "StructuredOutput", "TokenLogprob", "split_snapshot_id", "text_digest",
+    "SamplingParams", "Snapshot", "SnapshotMismatch", "StructuredOutput", "TokenLogprob", "split_snapshot_id",
+    "text_digest",
 ]
 
 

@@ -64,18 +64,24 @@ def params_json(params: ResolvedParams) -> dict[str, Any]:
 class CaptureStore:
     """The captures database. Thread-safe; every method is a short transaction."""
 
-    def __init__(self, path: str, retention_s: float = 7 * 86400, max_bytes: int = 512 * 10 ** 6):
+    def __init__(self, path: str, retention_s: float = 7 * 86400, max_bytes: int = 512 * 10 ** 6, *,
+                 read_only: bool = False):
+        """`read_only` (`tokenmill replay`): nothing is pruned, so the server's own
+        retention and size cap alone decide what is kept."""
         if retention_s <= 0 or max_bytes <= 0:
             raise ValueError("the capture retention and size cap must be positive")
         self.path, self.retention_s, self.max_bytes = path, retention_s, max_bytes
+        self._lock = threading.Lock()
+        self._bytes = 0
+        if read_only:
+            self._db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True, check_same_thread=False)
+            return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))  # created private (token ids decode to text)
-        self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        self._bytes = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM captures").fetchone()[0]
         self._pruned = 0.0
         self.prune()
 
