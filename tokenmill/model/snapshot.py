@@ -76,6 +76,7 @@ def file_digests(path: str, root: str | None = None) -> dict[str, str]:
             changed = True
         out[os.path.basename(name)] = f"sha256:{entry[3]}"
     if changed:
+        memo = {k: v for k, v in memo.items() if os.path.exists(k)}  # files gone (a test's, a removed model)
         try:
             os.makedirs(root, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=root, suffix=".tmp")
