@@ -202,6 +202,90 @@ def doctor(
     raise typer.Exit(code=run_doctor(build=not no_build))
 
 
+@app.command()
+def replay(
+    capture_id: str = typer.Argument(..., help="A captured request's id (the response's id)."),
+    base_url: str = typer.Option("http://127.0.0.1:8000", "--base-url", help="The server to replay it on."),
+    db: Optional[str] = typer.Option(None, "--db", help="The captures' SQLite file (default: captures.db in the "
+                                                        "data dir of the server on --port)."),
+    port: int = typer.Option(8000, "--port", help="Whose default data dir holds the captures (without --db)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
+    model: Optional[str] = typer.Option(None, "--model", help="The model name to ask for (default: the captured "
+                                                              "snapshot's name; a snapshot id pins it)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Re-run a captured request (serve --capture) from its token ids through the HTTP API and report
+    whether its output is identical or where it first differs (exit 0: identical, 1: differs)."""
+    import json
+    import os
+
+    from tokenmill.batch.store import default_data_dir
+    from tokenmill.server.capture import CaptureStore
+    from tokenmill.server.replay import ReplayError, replay as run_replay
+
+    path = db or os.path.join(default_data_dir(port), "captures.db")
+    if not os.path.isfile(path):
+        _fail(f"no captures at {path} (pass --db)")
+    store = CaptureStore(path, read_only=True)
+    try:
+        captured = store.get(capture_id)
+    finally:
+        store.close()
+    if captured is None:
+        _fail(f"no capture {capture_id!r} in {path}")
+    try:
+        report = run_replay(captured, base_url, api_key, model)
+    except ReplayError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else report.summary())
+    raise typer.Exit(code=0 if report.identical else 1)
+
+
+def models_show(
+    name: Optional[str] = typer.Argument(None, help="An installed model's name, a GGUF file or a folder "
+                                                    "(default: the embedded model)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help=QUANT_HELP),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype"),
+    block_size: int = typer.Option(16, "--block-size"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    generation_config: str = typer.Option("auto", "--generation-config"),
+    default_max_tokens: int = typer.Option(2048, "--default-max-tokens"),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name"),
+) -> None:
+    """Print the model's snapshot (its id and manifest, JSON) as `serve` with the same options would run it:
+    the id its answers report as system_fingerprint and a request may pin."""
+    import json
+
+    from tokenmill.engine.api import text_digest
+    from tokenmill.server.launch import read_chat_template
+    from tokenmill.server.options import ServeOptions
+
+    try:
+        options = ServeOptions(model=name, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                               block_size=block_size, max_model_len=max_model_len,
+                               generation_config=generation_config, default_max_tokens=default_max_tokens,
+                               served_model_name=served_model_name)
+        template = read_chat_template(chat_template) if chat_template is not None else None
+    except OptionError as exc:
+        _fail(str(exc))
+    snapshot = _cli_engine_for(options).served().snapshot
+    if template is not None:
+        snapshot = snapshot.replace(chat_template=text_digest(template))
+    typer.echo(json.dumps(snapshot.as_dict(), indent=2))
+
+
+def _cli_engine_for(options):
+    from tokenmill.engine.factory import make_engine
+    from tokenmill.model.config import ModelLoadError
+
+    try:
+        return make_engine(options.engine_config(), "thread")  # metadata only: no weights load
+    except (ValueError, ModelLoadError) as exc:
+        _fail(str(exc))
+
+
 from tokenmill.cost.cli import cost_app  # noqa: E402  (light: typer and the stdlib only)
 
 from tokenmill.bench.cli import bench  # noqa: E402  (HTTP only: no torch import)
@@ -216,6 +300,7 @@ app.command("eval", help="Run a task suite against OpenAI-compatible servers: su
 app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, cost self-hosting.")
 app.add_typer(keys_app, name="keys", help="Manage tenants and API keys.")
 app.add_typer(batch_app, name="batch", help="Submit and follow Batch API jobs (OpenAI's /v1/batches).")
+models_app.command("show")(models_show)
 app.add_typer(models_app, name="models", help="Install and list models (a name for --model).")
 app.add_typer(cluster_app, name="cluster", help="Scale out: engine replicas on Ray Serve behind one ingress.")
 

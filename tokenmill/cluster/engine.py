@@ -35,6 +35,7 @@ from tokenmill.cluster.replica import rebase_times
 from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, TuneCommand, generation_defaults
 from tokenmill.logs import say
 from tokenmill.model.metadata import load_model_info
+from tokenmill.model.snapshot import model_snapshot
 
 log = logging.getLogger("tokenmill.cluster")
 APP = "tokenmill"
@@ -71,8 +72,9 @@ def stats_sum(reports: list[EngineStats]) -> EngineStats:
 class ClusterEngine(EngineFront):
     def __init__(self, config: EngineConfig, options: ClusterOptions):
         info = load_model_info(config.model.path)
-        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name,
-                         generation_defaults(info.generation, config.model))
+        defaults = generation_defaults(info.generation, config.model)
+        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name, defaults,
+                         model_snapshot(config, info, defaults))
         self.config = config
         self.options = options
         self.handle = None

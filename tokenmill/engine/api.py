@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
 from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, AdmissionError, CachePin, Choice,
-                                    EngineBusy, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
-                                    RequestOutput, RequestTimes, ResolvedParams, SamplingParams, StructuredOutput,
-                                    TokenLogprob)
+                                    EngineBusy, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter,
+                                    Priority, RequestOutput, RequestTimes, ResolvedParams, SamplingParams, Snapshot,
+                                    SnapshotMismatch, StructuredOutput, TokenLogprob, split_snapshot_id,
+                                    text_digest)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -35,8 +36,8 @@ __all__ = [
     "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EngineBusy", "EngineClient", "EngineConfig",
     "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions",
     "Priority", "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
-    "SchedulerConfig", "ServedModel", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
-    "UnknownModel", "check_knobs",
+    "SchedulerConfig", "ServedModel", "Snapshot", "SnapshotMismatch", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
+    "UnknownModel", "check_knobs", "split_snapshot_id", "text_digest",
 ]
 
 
@@ -237,6 +238,7 @@ class ServedModel:
     config: ModelConfig
     defaults: GenerationDefaults  # the model's generation defaults, then the server's
     started_limits: RequestLimits | None  # None until the engine has started (its KV cache sized)
+    snapshot: Snapshot | None = None  # None: a model built in memory, with no files to pin
     parent: str | None = None  # a LoRA adapter's base model (None: a model itself)
 
     @property

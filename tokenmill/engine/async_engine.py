@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from tokenmill.config import EngineConfig
 from tokenmill.engine.front import AbortCommand, AddCommand, EngineFront, generation_defaults, run_commands
 from tokenmill.model.metadata import ModelInfo, load_model_info
+from tokenmill.model.snapshot import model_snapshot
 
 if TYPE_CHECKING:
     from tokenmill.model.loader import LoadedModel
@@ -35,8 +36,10 @@ class AsyncEngine(EngineFront):
         if loaded is not None:
             info = ModelInfo(loaded.config, loaded.tokenizer, {})
         assert info is not None
-        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name,
-                         generation_defaults(info.generation, config.model), config.lora.adapters)
+        defaults = generation_defaults(info.generation, config.model)
+        snapshot = None if loaded is not None else model_snapshot(config, info, defaults)
+        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name, defaults, snapshot,
+                         config.lora.adapters)
         self.config = config
         self.engine = None  # the LLMEngine, built on the engine thread
         self._loaded = loaded

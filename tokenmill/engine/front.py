@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.config import ModelOptions, RequestBounds
 from tokenmill.engine.api import RequestLimits, ServedModel, UnknownModel, check_knobs
 from tokenmill.engine.types import (EngineBusy, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter,
-                                    Priority, RequestOutput, ResolvedParams, SamplingParams)
+                                    Priority, RequestOutput, ResolvedParams, SamplingParams, Snapshot)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -114,8 +114,9 @@ class EngineFront:
 
     def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, bounds: RequestBounds,
                  name: str | None = None, defaults: GenerationDefaults | None = None,
-                 adapters: tuple[tuple[str, str], ...] = ()):
+                 snapshot: Snapshot | None = None, adapters: tuple[tuple[str, str], ...] = ()):
         self.tokenizer = tokenizer
+        self.snapshot = snapshot  # what the model's outputs depend on (None: a model built in memory)
         self.model_config = model_config
         self.name = name or model_config.name  # what requests call this model
         self.defaults = defaults or GenerationDefaults()
@@ -165,8 +166,9 @@ class EngineFront:
         if model is not None and model != self.name:
             if model not in self._adapters:
                 raise UnknownModel(model, self.model_names())
-            return ServedModel(model, self.tokenizer, self.model_config, self.defaults, self._limits, parent=self.name)
-        return ServedModel(self.name, self.tokenizer, self.model_config, self.defaults, self._limits)
+            return ServedModel(model, self.tokenizer, self.model_config, self.defaults, self._limits, self.snapshot,
+                               parent=self.name)
+        return ServedModel(self.name, self.tokenizer, self.model_config, self.defaults, self._limits, self.snapshot)
 
     def stats(self) -> EngineStats:
         # a snapshot refreshed by the loop after each step

@@ -30,6 +30,7 @@ from tokenmill.engine.types import EngineDeadError
 from tokenmill.engine.front import (AbortCommand, AddCommand, EngineFront, generation_defaults, refusal, refused_error,
                                     run_commands)
 from tokenmill.model.metadata import load_model_info
+from tokenmill.model.snapshot import model_snapshot
 
 log = logging.getLogger("tokenmill.engine")
 _STOP = "stop"
@@ -123,12 +124,13 @@ class ProcessEngine(EngineFront):
         try:
             info = load_model_info(config.model.path)
             defaults = generation_defaults(info.generation, config.model)
+            snapshot = model_snapshot(config, info, defaults)
         except BaseException:
             if early is not None:
                 self._close(early)
                 self._child = None
             raise
-        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name, defaults,
+        super().__init__(info.tokenizer, info.config, config.bounds, config.model.served_name, defaults, snapshot,
                          config.lora.adapters)
 
     @property

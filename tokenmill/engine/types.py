@@ -6,13 +6,16 @@ and no torch, so every layer (engine internals, server, cluster, batch) may impo
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
     "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
     "GenerationDefaults", "InvalidParameter", "Priority", "RequestOutput", "RequestTimes", "ResolvedParams",
-    "SamplingParams", "StructuredOutput", "TokenLogprob",
+    "SamplingParams", "Snapshot", "SnapshotMismatch", "StructuredOutput", "TokenLogprob", "split_snapshot_id",
+    "text_digest",
 ]
 
 
@@ -42,10 +45,75 @@ class EngineDeadError(RuntimeError):
     """The engine stopped; requests in flight cannot complete."""
 
 
+class SnapshotMismatch(LookupError):
+    """A request pinned a model snapshot (`NAME@sha256:<hex>`) that is not the one served."""
+
+    def __init__(self, requested: str, served: str):
+        super().__init__(f"the model snapshot {requested!r} is not the one this server runs: it serves "
+                         f"{served!r} (its weights, tokenizer, template or settings changed); request {served!r} "
+                         "or the bare name to accept it")
+        self.requested = requested
+        self.served = served
+
+
 class Priority(enum.IntEnum):
     """Request classes; lower value is served first."""
     INTERACTIVE = 0
     BATCH = 1
+
+
+# -- model snapshots ---------------------------------------------------------------------
+SNAPSHOT_SEP = "@sha256:"
+SNAPSHOT_HEX = 12  # hex digits of the digest an id shows (and a pin must give at least)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What decides a served model's outputs, as a manifest of hashes and settings
+    (tokenmill/model/snapshot.py builds it from file metadata, before weights load):
+    weights, tokenizer, chat template, precision, KV settings, generation defaults,
+    tokenmill's version and the native kernels' build key. Its id, `NAME@sha256:<12 hex>`,
+    is the name plus a digest of the manifest (the name is not hashed: one snapshot may
+    be served under several names), reported as `system_fingerprint` and accepted as a
+    pinned `model`."""
+    name: str
+    manifest: dict[str, Any] = field(hash=False)
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps(self.manifest, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}{SNAPSHOT_SEP}{self.digest[:SNAPSHOT_HEX]}"
+
+    def replace(self, **parts: Any) -> Snapshot:
+        """The same snapshot with manifest entries replaced (a server's own chat template)."""
+        return Snapshot(self.name, {**self.manifest, **parts})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "digest": f"sha256:{self.digest}", "manifest": self.manifest}
+
+    def check(self, requested: str) -> None:
+        """Raise SnapshotMismatch unless `requested` (a pinned id) names this snapshot: its
+        hex a prefix of the digest, at least SNAPSHOT_HEX digits long."""
+        _, pin = split_snapshot_id(requested)
+        if pin is None:
+            return
+        if len(pin) < SNAPSHOT_HEX or not self.digest.startswith(pin.lower()):
+            raise SnapshotMismatch(requested, self.id)
+
+
+def text_digest(text: str) -> str:
+    """A manifest's digest of a text part (the chat template, the tokenizer)."""
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def split_snapshot_id(model: str) -> tuple[str, str | None]:
+    """(name, the pinned digest's hex or None) of a request's `model`."""
+    name, sep, pin = model.partition(SNAPSHOT_SEP)
+    return (name, pin) if sep else (model, None)
 
 
 # -- request ----------------------------------------------------------------------------

@@ -157,6 +157,20 @@ def source_files() -> dict[str, bytes]:
     return files
 
 
+@lru_cache(maxsize=1)
+def current_key() -> str:
+    """plan_build()'s key without importing torch (its version read from the installed
+    package's metadata, which is what torch.__version__ reports): a model snapshot
+    (tokenmill/model/snapshot.py) names the kernels a front process will run."""
+    import importlib.metadata
+
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "none"
+    return build_key(source_files(), CFLAGS, find_compiler()[1], torch_version, sys.version, cpu_features())
+
+
 def plan_build() -> BuildPlan:
     import torch
 

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.batch.runner import BatchLimits
-from tokenmill.engine.api import EngineClient
+from tokenmill.engine.api import EngineClient, text_digest
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
 from tokenmill.server.dialects import add_dialect_routes
 from tokenmill.server.errors import APIError, install_error_handlers
@@ -48,6 +48,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     chat_template: str | None = None  # a Jinja source replacing the model's own template
     reasoning_parser: str | None = None  # deepseek_r1, qwen3, none; None: chosen from the chat template
+    aliases: tuple = ()  # tokenmill.server.aliases.ModelAlias: other names for the model or a snapshot of it
 
 
 @dataclass
@@ -61,6 +62,7 @@ class ServicePolicy:
     batch_store: object | None = None  # tokenmill.batch.store.BatchStore (None: no Batch API)
     batch: BatchLimits = field(default_factory=BatchLimits)
     server_alarm: object | None = None  # tokenmill.cost.SpendAlarm over all tenants' spend (None: none)
+    capture: object | None = None  # tokenmill.server.capture.CapturePolicy (None: nothing captured)
 
 
 LAG_PROBE_S = 0.05  # how often the event loop's lag is sampled
@@ -127,6 +129,13 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     chat = ServingChat(engine, tokenizer, model_name, metrics)
     chat.reasoning = ChatReasoning.choose(config.reasoning_parser, tokenizer)
     completion = ServingCompletion(engine, tokenizer, model_name, metrics)
+    snapshot = engine.served().snapshot
+    if snapshot is not None and config.chat_template is not None:  # the template this server renders
+        snapshot = snapshot.replace(chat_template=text_digest(config.chat_template))
+    aliases = {a.name: a for a in config.aliases}
+    for serving in (chat, completion):
+        serving.snapshot, serving.aliases = snapshot, aliases
+    capture = policy.capture
 
     runner = None
     if policy.batch_store is not None:
@@ -162,6 +171,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
                 runner.store.close()
             await engine.stop()
             telemetry.shutdown()
+            if capture is not None:
+                capture.store.close()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.router.route_class = bounded_route(engine.bounds)
@@ -185,9 +196,21 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         ctx.gate = gate
         if pricer is not None:
             pricer.attach(ctx)
+        if capture is not None and capture.wants(tenant):
+            from tokenmill.server.capture import Recording
+
+            ctx.capture = Recording(capture.store, ctx.request_id, tenant.name, operation)
+            ctx.finalizers.append(ctx.capture.finish)
         return ctx
 
     async def serve(raw: Request, body, serving, prefix: str, operation: str) -> Response:
+        response = await answer(raw, body, serving, prefix, operation)
+        alias = aliases.get(getattr(body, "model", None))
+        if alias is not None:  # a deprecated alias says so on every answer
+            response.headers.update(alias.headers())
+        return response
+
+    async def answer(raw: Request, body, serving, prefix: str, operation: str) -> Response:
         key = raw.headers.get("idempotency-key")
         if key is None or body.stream:
             return await serving.create(body, raw, context(raw, prefix, body, operation))
@@ -218,7 +241,11 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
                          "parent": m.parent,  # a LoRA adapter's base model
                          "max_model_len": m.max_model_len,
                          # what a request that says nothing gets (the model's own, then the server's)
-                         "generation_defaults": m.defaults.as_dict()})
+                         "generation_defaults": m.defaults.as_dict(),
+                         # pin it by requesting this id (tokenmill models show NAME prints the manifest)
+                         "snapshot": (snapshot if name == model_name else m.snapshot).id
+                         if m.snapshot is not None else None})
+        data += [a.as_dict() for a in aliases.values()]
         return {"object": "list", "data": data}
 
     @app.get("/health")

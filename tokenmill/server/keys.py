@@ -33,6 +33,7 @@ class TenantLimits:
     spend_alarm_window_s: float = 3600.0
     spend_alarm_block: bool = False  # refuse new requests while the alarm is raised
     default_class: str = "interactive"
+    capture: bool = False  # its requests are captured for replay on a server run with --capture keys
     allowed_classes: tuple[str, ...] = CLASSES
     # the models and LoRA adapters the key may name (None: all); others answer 404, as unknown ones
     allowed_models: tuple[str, ...] | None = None

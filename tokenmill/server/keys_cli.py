@@ -42,6 +42,9 @@ def add(
     admin: Optional[bool] = typer.Option(None, "--admin/--no-admin",
                                          help="The tenant sees every tenant's usage and the server's state in "
                                               "the console (/v1/stats); default: unchanged (new: no)."),
+    capture: bool = typer.Option(False, "--capture",
+                                 help="Capture this tenant's requests for replay (token ids, parameters, snapshot) "
+                                      "on a server run with --capture keys (docs/capture.md)."),
     db: str = typer.Option(DEFAULT_DB, "--db", help=DB_HELP),
 ) -> None:
     """Create a key for TENANT and print it (shown only this once)."""
@@ -49,7 +52,7 @@ def add(
 
     allowed = tuple(c for c, ok in (("interactive", allow_interactive), ("batch", allow_batch)) if ok)
     given = any(v is not None for v in (rpm, tpm, max_concurrency, max_prompt_tokens, max_output_tokens, max_n,
-                                        max_work_tokens, work_budget, budget_usd, alarm_usd, models))
+                                        max_work_tokens, work_budget, budget_usd, alarm_usd, models)) or capture
     try:
         limits = TenantLimits(rpm=rpm, tpm=tpm, max_concurrency=max_concurrency, max_prompt_tokens=max_prompt_tokens,
                               max_output_tokens=max_output_tokens, max_n=max_n, max_work_tokens=max_work_tokens,
@@ -57,7 +60,7 @@ def add(
                               spend_budget_usd=budget_usd, spend_period_s=budget_period,
                               spend_alarm_usd=alarm_usd, spend_alarm_window_s=alarm_window,
                               spend_alarm_block=alarm_block,
-                              default_class=default_class, allowed_classes=allowed,
+                              default_class=default_class, allowed_classes=allowed, capture=capture,
                               allowed_models=tuple(m.strip() for m in models.split(",") if m.strip())
                               if models is not None else None)
         store = KeyStore(db)

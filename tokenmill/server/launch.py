@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import signal
+import sqlite3
 import sys
 
 import uvicorn
@@ -76,8 +77,40 @@ def build_server(options: ServeOptions) -> FastAPI:
         raise OptionError("this model has no tokenizer; the server needs one")
     config = ServerConfig(host=options.host, port=options.port,
                           shutdown_timeout_s=options.shutdown_timeout, chat_template=template,
-                          reasoning_parser=options.reasoning_parser)
+                          reasoning_parser=options.reasoning_parser, aliases=_aliases(options, engine))
+    policy.capture = _capture(options)
     return build_app(engine, config, policy, tracer_provider=tracer_provider, autotune=autotune)
+
+
+def _aliases(options: ServeOptions, engine: EngineClient) -> tuple:
+    from tokenmill.server.aliases import parse_alias
+
+    try:
+        aliases = tuple(parse_alias(a, engine.model_names()[0]) for a in options.model_alias or ())
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+    for a in aliases:
+        if a.sunset is not None:
+            log.warning("model alias %s (-> %s) is deprecated: it goes away on %s", a.name, a.target, a.sunset)
+    return aliases
+
+
+def _capture(options: ServeOptions):
+    """The capture policy (None: --capture off); its store opened now, so a bad path stops the start."""
+    if options.capture == "off":
+        return None
+    from tokenmill.batch.store import default_data_dir
+    from tokenmill.server.capture import CapturePolicy, CaptureStore
+
+    o = options
+    path = o.capture_db or os.path.join(o.data_dir or default_data_dir(o.port), "captures.db")
+    try:
+        store = CaptureStore(path, retention_s=o.capture_retention_days * 86400,
+                             max_bytes=int(o.capture_max_mb * 1e6))
+    except (OSError, sqlite3.Error) as exc:
+        raise OptionError(f"--capture: cannot open {path}: {exc}") from None
+    log.info("capturing %s requests in %s", "every key's" if o.capture == "all" else "flagged keys'", path)
+    return CapturePolicy(store, o.capture)
 
 
 def read_chat_template(path: str) -> str:

@@ -140,6 +140,19 @@ class ServeOptions:
     spend_alarm_window: float = option(3600.0, "--spend-alarm-window", "Seconds.")
     spend_alarm_block: bool = option(False, "--spend-alarm-block",
                                      "Refuse every request (429) while the server's alarm is raised.")
+    model_alias: list[str] | None = option(
+        None, "--model-alias",
+        "Another name for the model, or for one snapshot of it: NAME=TARGET[@YYYY-MM-DD] (TARGET the served name or "
+        "its snapshot id NAME@sha256:HEX, which pins it). With a date the alias is deprecated: its answers carry "
+        "Deprecation and Sunset headers naming that day. Repeatable.")
+    capture: str = option("off", "--capture",
+                          "Capture finished requests for `tokenmill replay` (snapshot id, resolved parameters, seed, "
+                          "prompt and output token ids; no text): off, all, or keys (the keys added with "
+                          "--capture). docs/capture.md.")
+    capture_db: str | None = option(None, "--capture-db", "The captures' SQLite file (default: captures.db in "
+                                                          "--data-dir).")
+    capture_retention_days: float = option(7.0, "--capture-retention-days", "Captures older than this are deleted.")
+    capture_max_mb: float = option(512.0, "--capture-max-mb", "Most MB of captures kept (the oldest go first).")
     data_dir: str | None = option(None, "--data-dir", "Where Batch API files and batches are kept (default: "
                                                       "~/.local/share/tokenmill/server-PORT).")
     batch_api: bool = option(True, "--batch-api/--no-batch-api", "Serve /v1/files and /v1/batches.")
@@ -218,6 +231,10 @@ class ServeOptions:
             raise OptionError("--batch-inflight, --batch-max-lines and --batch-max-file-mb must be positive")
         if self.reasoning_parser not in (None, "none", "deepseek_r1", "qwen3"):
             raise OptionError(f"--reasoning-parser must be one of deepseek_r1, qwen3, none, got {self.reasoning_parser!r}")
+        if self.capture not in ("off", "all", "keys"):
+            raise OptionError(f"--capture must be off, all or keys, got {self.capture!r}")
+        if not (self.capture_retention_days > 0 and self.capture_max_mb > 0):
+            raise OptionError("--capture-retention-days and --capture-max-mb must be positive")
         if self.engine_mode not in ENGINE_MODES:
             raise OptionError(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}")
         self._check_cluster()

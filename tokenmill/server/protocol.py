@@ -327,6 +327,8 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
+    # each choice's output token ids beside its text (vLLM's name): what `tokenmill replay` compares
+    return_token_ids: StrictBool = False
 
     def sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:

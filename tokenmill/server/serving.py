@@ -19,7 +19,8 @@ from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.api import (CACHE_TTLS, AdmissionError, EngineClient, EngineDeadError, InvalidParameter,
-                                  Priority, RequestOutput, ResolvedParams, SamplingParams, UnknownModel)
+                                  Priority, RequestOutput, ResolvedParams, SamplingParams, Snapshot, SnapshotMismatch,
+                                  UnknownModel, split_snapshot_id)
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import Metrics
@@ -63,6 +64,7 @@ class RequestContext:
     usage_hooks: list[Callable[[RequestContext, dict[str, Any]], None]] = field(default_factory=list)
     finalizers: list[Callable[[dict[str, Any] | None], None]] = field(default_factory=list)
     trace: Any = None  # tokenmill.server.telemetry.RequestTrace, when observed
+    capture: Any = None  # tokenmill.server.capture.Recording, when the request is captured
     cost_usd: float | None = None  # what it was priced at (set by the pricer when it settles)
     status_code: int = 200  # the HTTP status it ended with
     _finished: bool = False
@@ -91,26 +93,47 @@ class BaseServing:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        # what the answers depend on (system_fingerprint; a pinned `model` must match it):
+        # the engine's snapshot, with the server's own chat template when it has one (build_app)
+        self.snapshot: Snapshot | None = engine.served(model_name).snapshot
+        self.aliases: dict[str, Any] = {}  # name -> tokenmill.server.aliases.ModelAlias
         self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
 
     # -- request side -------------------------------------------------------------------
     def check_model(self, model: str, ctx: RequestContext | None = None) -> None:
         """The engine client says which names it serves (the one namespace of models and
-        adapters); a key limited to some of them gets the same 404 for the others. With
-        `ctx`, the request runs on that model from here on."""
+        LoRA adapters); an alias stands for its target; a pinned snapshot id must name the
+        snapshot served; a key limited to some names gets the same 404 for the others.
+        With `ctx`, the request runs on that model or adapter from here on."""
+        alias = self.aliases.get(model)
+        target = alias.target if alias is not None else model
+        name, pin = split_snapshot_id(target)
         allowed = getattr(ctx.limits, "allowed_models", None) if ctx is not None else None
         try:
-            if allowed is not None and model not in allowed:
+            if allowed is not None and model not in allowed and name not in allowed:
                 raise UnknownModel(model, allowed)
-            self.engine.served(model)
+            served = self.engine.served(name)
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
         if ctx is not None:
-            ctx.model = model
+            ctx.model = name
+        if pin is None:
+            return
+        snapshot = self.snapshot if name == self.model_name else served.snapshot
+        try:
+            if snapshot is None:
+                raise SnapshotMismatch(target, f"{name} (a model without files: no snapshot)")
+            snapshot.check(target)
+        except SnapshotMismatch as exc:
+            raise APIError(409, str(exc), param="model", code="snapshot_mismatch") from None
 
     def answered_by(self, ctx: RequestContext) -> str:
         """The name a response reports: the model or adapter the request named."""
         return ctx.model or self.model_name
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.snapshot.id if self.snapshot is not None else None
 
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
@@ -143,6 +166,10 @@ class BaseServing:
             raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
+        if ctx.capture is not None:
+            # (an adapter is replayed by its name: the snapshot pins the base model's files)
+            on_adapter = ctx.model not in (None, self.model_name)
+            resolved = ctx.capture.start(resolved, ctx.model if on_adapter else self.fingerprint or self.model_name)
         if ctx.gate is not None:
             capped = cap is not None and resolved.max_tokens == cap and (params.max_tokens or cap + 1) > cap
             ctx.gate.reserve(ctx, num_prompt, resolved, capped)
@@ -151,6 +178,8 @@ class BaseServing:
 
     def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: ResolvedParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+        if ctx.capture is not None:
+            ctx.capture.prompt(sub_id, ids)
         try:
             return self.engine.generate(sub_id, ids, params, model=ctx.model, priority=ctx.priority,
                                         cache_salt=cache_salt, tenant=ctx.tenant, deadline=ctx.deadline)
@@ -168,6 +197,8 @@ class BaseServing:
     def record(self, ctx: RequestContext, out: RequestOutput) -> None:
         if out.finished:
             self.metrics.observe_finished(out, self.answered_by(ctx))
+        if ctx.capture is not None:
+            ctx.capture.observe(out)
         if ctx.trace is not None:
             ctx.trace.observe(out)
 

@@ -175,14 +175,14 @@ class ServingChat(BaseServing):
                 "finish_reason": answers[c.index][1], "stop_reason": c.stop_reason,
             } for c in choices.values()],
             "usage": self.finish_usage(ctx, usage),
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
         }
 
     async def chunks(self, body: ChatCompletionRequest, ctx: RequestContext, stream, num_prompt: int,
                      include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         created = now()
         base = {"id": ctx.request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.answered_by(ctx)}
+                "model": self.answered_by(ctx), "system_fingerprint": self.fingerprint}
         if include_usage:
             base["usage"] = None
 

@@ -114,15 +114,17 @@ class ServingCompletion(BaseServing):
                 "index": c.index, "text": c.text,
                 "logprobs": rendered.get(c.index),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                **({"token_ids": c.token_ids} if body.return_token_ids else {}),
             } for c in choices.values()],
             "usage": self.finish_usage(ctx, usage),
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
         }
 
     async def _stream(self, body: CompletionRequest, ctx: RequestContext, prompts, streams,
                       include_usage: bool) -> AsyncIterator[str]:
         n = body.n
-        base = {"id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.answered_by(ctx)}
+        base = {"id": ctx.request_id, "object": "text_completion", "created": now(), "model": self.answered_by(ctx),
+                "system_fingerprint": self.fingerprint}
         if include_usage:
             base["usage"] = None
         started: set[int] = set()
