@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
-    "GenerationDefaults", "InvalidParameter", "Priority", "RequestOutput", "RequestTimes", "ResolvedParams",
-    "SamplingParams", "StructuredOutput", "TokenLogprob",
+    "GenerationDefaults", "InvalidParameter", "POOLINGS", "Priority", "RequestOutput", "RequestTimes",
+    "ResolvedParams", "SamplingParams", "StructuredOutput", "TokenLogprob",
 ]
 
 
@@ -58,6 +58,11 @@ class StructuredOutput:
     KINDS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
     kind: str
     value: Any = None
+
+
+# How an embedding request pools its prompt's final hidden states (after the final norm):
+# the last token's (what a causal model has read the whole prompt into) or their mean
+POOLINGS = ("last", "mean")
 
 
 # Prompt-cache TTLs a client may ask for (Anthropic's cache_control "ttl"), in seconds
@@ -121,6 +126,8 @@ class SamplingParams:
     cache_pins: tuple[CachePin, ...] = ()  # prompt prefixes to keep cached (cache_control)
     thinking: ThinkingTags | None = None  # a thinking model's tags (None: replies are not parsed for thinking)
     thinking_token_budget: int | None = None  # most reasoning tokens, tags included (None: unbounded)
+    # an embedding request (POOLINGS): the prompt's final hidden states pooled, nothing decoded
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -186,6 +193,7 @@ class ResolvedParams:
     cache_pins: tuple[CachePin, ...]
     thinking: ThinkingTags | None = None
     thinking_token_budget: int | None = None  # set only with thinking
+    pooling: str | None = None  # an embedding request: max_tokens is 0, the output is `embedding`
 
     @property
     def has_penalties(self) -> bool:
@@ -235,6 +243,8 @@ class RequestOutput:
     # (tokens it read from the cache are num_cached_tokens)
     cache_write_tokens: dict[int, int] = field(default_factory=dict)
     num_reasoning_tokens: int = 0  # of the output so far, inside the thinking block (tags included)
+    # an embedding request's pooled final hidden state (not normalized), on its finished output
+    embedding: list[float] | None = None
 
 
 @dataclass
