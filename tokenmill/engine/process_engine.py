@@ -66,12 +66,10 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
     from tokenmill import logs
 
     logs.configure_from_env()
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.model.loader import load_model
+    from tokenmill.engine.encoder_engine import build_core
 
     try:
-        m = config.model
-        engine = LLMEngine(load_model(m.path, m.dtype, m.quantization), config)
+        engine = build_core(config)
     except BaseException as exc:
         out_q.put(("failed", repr(exc)))
         return
