@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
 from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, POOLINGS, AdmissionError, CachePin,
-                                    Choice, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
+                                    Choice, EmbeddingSpec, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
                                     RequestOutput, RequestTimes, ResolvedParams, SamplingParams, StructuredOutput,
                                     TokenLogprob)
 
@@ -265,6 +265,7 @@ class ServedModel:
     config: ModelConfig
     defaults: GenerationDefaults  # the model's generation defaults, then the server's
     started_limits: RequestLimits | None  # None until the engine has started (its KV cache sized)
+    embedding: EmbeddingSpec | None = None  # what /v1/embeddings may ask of it (None: nothing)
 
     @property
     def limits(self) -> RequestLimits:

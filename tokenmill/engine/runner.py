@@ -46,8 +46,8 @@ class RunnerOutput:
     # request id -> [(position, logprob)] for prompt tokens scored this step
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
     # embedding requests (params.pooling): request id -> (the chunk's first position, its
-    # rows' count, their final hidden states summed in fp32 ("mean") or its last row ("last",
-    # only from the chunk that ends the prompt))
+    # rows' count, their final hidden states summed in fp32 ("mean"), or the prompt's first
+    # row ("cls", from the chunk at 0) or last ("last", from the chunk that ends the prompt))
     pooled: dict[str, tuple[int, int, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -198,6 +198,9 @@ class ModelRunner:
             rows = hidden[cu[i]:cu[i + 1]]
             if s.params.pooling == "mean":
                 result.pooled[s.request_id] = (s.start, rows.shape[0], rows.float().sum(0))
+            elif s.params.pooling == "cls":
+                if s.start == 0:
+                    result.pooled[s.request_id] = (0, 1, rows[0].float())
             elif s.sample:
                 result.pooled[s.request_id] = (s.start, 1, rows[-1].float())
         for i, s in enumerate(sch):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
-    "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
+    "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EmbeddingSpec", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
     "GenerationDefaults", "InvalidParameter", "POOLINGS", "Priority", "RequestOutput", "RequestTimes",
     "ResolvedParams", "SamplingParams", "StructuredOutput", "TokenLogprob",
 ]
@@ -62,7 +62,19 @@ class StructuredOutput:
 
 # How an embedding request pools its prompt's final hidden states (after the final norm):
 # the last token's (what a causal model has read the whole prompt into) or their mean
-POOLINGS = ("last", "mean")
+POOLINGS = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """What a served model's embeddings are (ServedModel.embedding): their size, the
+    poolings a request may ask for (the first is the default), the sizes `dimensions` may
+    truncate them to (a Matryoshka-trained model; None: none, (): any up to `size`), and
+    whether the model also generates text (an encoder does not)."""
+    size: int
+    poolings: tuple[str, ...]
+    truncatable: tuple[int, ...] | None
+    generates: bool
 
 
 # Prompt-cache TTLs a client may ask for (Anthropic's cache_control "ttl"), in seconds

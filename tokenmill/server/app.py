@@ -20,6 +20,7 @@ from tokenmill.batch.runner import BatchLimits
 from tokenmill.engine.api import EngineClient
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
 from tokenmill.server.dialects import add_dialect_routes
+from tokenmill.server.dialects.embeddings import model_capabilities
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
@@ -214,7 +215,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
             data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
                          "max_model_len": m.max_model_len,
                          # what a request that says nothing gets (the model's own, then the server's)
-                         "generation_defaults": m.defaults.as_dict()})
+                         "generation_defaults": m.defaults.as_dict(),
+                         # generation or embeddings, and how embeddings and rerank are made
+                         **model_capabilities(m.embedding)})
         return {"object": "list", "data": data}
 
     @app.get("/health")

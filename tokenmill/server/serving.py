@@ -100,6 +100,13 @@ class BaseServing:
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
 
+    def check_generates(self) -> None:
+        """An embedding model (an encoder) answers generation with a clear 400."""
+        spec = self.engine.served(self.model_name).embedding
+        if spec is not None and not spec.generates:
+            raise APIError(400, f"{self.model_name} is an embedding model: it serves /v1/embeddings and "
+                                "/v1/rerank, not text generation", param="model", code="model_not_supported")
+
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
         /health must not wait for it. JSON may carry lone surrogates (\\ud800), which are
@@ -122,6 +129,8 @@ class BaseServing:
         num_prompt = sum(len(ids) for ids in prompts)
         try:
             served = self.engine.served(self.model_name)
+            if params.pooling is None:
+                self.check_generates()
             cap = ctx.gate.output_cap(ctx, num_prompt, params.n) if ctx.gate is not None else None
             resolved = served.resolve(prompts, params, cap=cap)
         except InvalidParameter as exc:
