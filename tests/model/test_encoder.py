@@ -31,10 +31,12 @@ BERT = dict(vocab_size=120, hidden_size=48, num_hidden_layers=2, num_attention_h
             max_position_embeddings=64, type_vocab_size=2)
 
 
-def tiny_encoder(folder: Path, pooling: str = "mean", **config) -> "transformers.BertModel":
-    """A random BERT saved as a sentence-transformers folder (no tokenizer: ids in)."""
+def tiny_encoder(folder: Path, pooling: str = "mean", vocab_size: int = 120, **config) -> "transformers.BertModel":
+    """A random BERT saved as a sentence-transformers folder (no tokenizer: ids in);
+    `config`: written over its config.json after it is saved."""
     torch.manual_seed(0)
-    model = transformers.BertModel(transformers.BertConfig(**BERT), add_pooling_layer=True).eval()
+    model = transformers.BertModel(transformers.BertConfig(**{**BERT, "vocab_size": vocab_size}),
+                                   add_pooling_layer=True).eval()
     model.save_pretrained(folder, safe_serialization=True)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, **config}))
