@@ -101,6 +101,7 @@ def test_preemption_recomputes(tiny):
     assert (got["e"] - reference(ref, ids, "mean")).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_embedded_model_matches_transformers(smol, hf_smol):
     prompts = {"short": [1, 504, 3250, 30], "long": _ids(50, 9)}
     for pooling in ("last", "mean"):

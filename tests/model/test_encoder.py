@@ -24,8 +24,9 @@ transformers = pytest.importorskip("transformers")
 SENTENCES = [
     "The cat sits outside.", "A man is playing guitar.", "I love pasta.", "Do you like pizza?",
     "The new movie is awesome!", "Paris is the capital of France.", "Tokyo has 14 million people, give or take.",
-    "naïve café ☕ — ünïcödé", "x", "A much longer sentence that goes on for a while, with commas, clauses and "
-    "enough words that it is several times as long as the others in this set, to mix lengths in one batch.",
+    "naïve café ☕ — ünïcödé", "x",
+    "A much longer sentence that goes on for a while, with commas, clauses and enough words that it is "
+    "several times as long as the others in this set, to mix lengths in one batch.",
 ]
 BERT = dict(vocab_size=120, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
             max_position_embeddings=64, type_vocab_size=2)

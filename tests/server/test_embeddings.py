@@ -49,6 +49,7 @@ def assert_client_error(r: httpx.Response, status: int = 400, param: str | None 
 
 
 # -- the decoder ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_decoder_embeddings_match_transformers(server, client, hf_smol, hf_tokenizer):
     """Last-token pooling by default, mean on request; floats and base64 (the SDK's
     default, decoded by the SDK) are the same vectors; usage counts the input tokens."""

@@ -23,18 +23,19 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
 from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, POOLINGS, AdmissionError, CachePin,
-                                    Choice, EmbeddingSpec, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter, Priority,
-                                    RequestOutput, RequestTimes, ResolvedParams, SamplingParams, StructuredOutput,
-                                    TokenLogprob)
+                                    Choice, EmbeddingSpec, EngineDeadError, EngineStats, GenerationDefaults,
+                                    InvalidParameter, Priority, RequestOutput, RequestTimes, ResolvedParams,
+                                    SamplingParams, StructuredOutput, TokenLogprob)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.tokenizer import Tokenizer
 
 __all__ = [
-    "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EngineClient", "EngineConfig",
-    "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions",
-    "POOLINGS", "Priority", "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
+    "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EmbeddingSpec", "EngineClient",
+    "EngineConfig", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter",
+    "ModelOptions", "POOLINGS", "Priority", "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes",
+    "ResolvedParams", "SamplingParams",
     "SchedulerConfig", "ServedModel", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
     "UnknownModel", "check_knobs",
 ]

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
-    "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EmbeddingSpec", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
-    "GenerationDefaults", "InvalidParameter", "POOLINGS", "Priority", "RequestOutput", "RequestTimes",
+    "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EmbeddingSpec", "EngineDeadError", "EngineStats",
+    "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "POOLINGS", "Priority", "RequestOutput", "RequestTimes",
     "ResolvedParams", "SamplingParams", "StructuredOutput", "TokenLogprob",
 ]
 

@@ -350,9 +350,9 @@ def _array_limits(bounds: RequestBounds) -> dict[str, int]:
 
 def check_body_shape(raw: bytes, bounds: RequestBounds) -> None:
     """Refuse a body whose bounded lists (stop, stop_token_ids, logit_bias, messages,
-    prompt, and the embedding and rerank inputs) hold more entries than any request may, before the whole body is parsed:
-    parsing a million stop strings into Python objects takes longer than refusing them
-    should. Walks only the top-level object, counting entries of the bounded fields and
+    prompt, and the embedding and rerank inputs) hold more entries than any request may,
+    before the whole body is parsed: parsing a million stop strings into Python objects
+    takes longer than refusing them should. Walks only the top-level object, counting entries of the bounded fields and
     stopping at the first one too many; a malformed body is left to the full parser."""
     limits = _array_limits(bounds)
     try:
