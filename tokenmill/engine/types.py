@@ -255,7 +255,8 @@ class RequestOutput:
     # (tokens it read from the cache are num_cached_tokens)
     cache_write_tokens: dict[int, int] = field(default_factory=dict)
     num_reasoning_tokens: int = 0  # of the output so far, inside the thinking block (tags included)
-    # an embedding request's pooled final hidden state (not normalized), on its finished output
+    # an embedding request's pooled final hidden state, on its finished output (a decoder's
+    # is not normalized; an encoder's has the model's own normalization, if any)
     embedding: list[float] | None = None
 
 
