@@ -9,6 +9,9 @@
   built it (`.peers/llama-server/bin/llama-server`; it is not built here).
 
 Each input is text that tokenizes to exactly 128 tokens for the model that reads it.
+Both engine modes by default: with the engine in a child process the 32 inputs of one body
+reach it over a queue and may be split over several steps; in a thread they arrive as one
+batch.
 Batch 1: one input per request, requests one after another; batch 32: one request
 holding 32 inputs. The rate is inputs embedded per second of wall time at the client.
 
@@ -81,10 +84,13 @@ def main() -> None:
     ap.add_argument("--singles", type=int, default=32, help="batch-1 requests per measurement")
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096,
                     help="the servers' step budget (4096: a 32 x 128 batch in one step)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 4 single requests, one batch of 32")
+    ap.add_argument("--engines", default="process,thread",
+                    help="the servers' --engine modes to measure, comma-separated")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 single requests, one batch of 32, the process engine only")
     args = ap.parse_args()
     if args.quick:
-        args.reps, args.singles = 1, 4
+        args.reps, args.singles, args.engines = 1, 4, "process"
     from tokenmill.model import registry
     from tokenmill.model.encoder_config import read_encoder_tokenizer
     from tokenmill.model.metadata import load_model_info
@@ -98,9 +104,12 @@ def main() -> None:
              "encoder": texts_of(enc_tok.encode, 32 + args.singles, 2)}
     budget = ("--max-num-batched-tokens", str(args.max_num_batched_tokens))
     results: dict[str, dict[str, float]] = {}
-    for label, extra in (("tokenmill, SmolLM2-135M decoder (last token)", ()),
-                         ("tokenmill, all-MiniLM-L6-v2 encoder", ("--model", "all-minilm-l6-v2"))):
-        kind = "encoder" if extra else "decoder"
+    runs = [(label + ("" if mode == "process" else f" (--engine {mode})"), extra + ("--engine", mode))
+            for mode in args.engines.split(",")
+            for label, extra in (("tokenmill, SmolLM2-135M decoder (last token)", ()),
+                                 ("tokenmill, all-MiniLM-L6-v2 encoder", ("--model", "all-minilm-l6-v2")))]
+    for label, extra in runs:
+        kind = "encoder" if "--model" in extra else "decoder"
         spec = ServerSpec("tokenmill-" + kind, serve_cmd(*budget, *extra), "/ready")
         with RunningServer(spec, ROOT / "bench-results" / "embeddings") as srv:
             t = texts[kind]
