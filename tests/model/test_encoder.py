@@ -133,6 +133,8 @@ def test_folder_install_checks_every_file(tmp_path, monkeypatch, minilm):
     assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) == \
         sorted(f.path for f in small)
     assert registry.resolve("enc-test") == str(path)
+    said: list[str] = []
+    assert registry.install("enc-test", said.append) == path and "already installed" in said[0]
     shutil.rmtree(path)
     bad = (registry.FolderFile(small[0].path, small[0].size, "0" * 64),) + small[1:]
     monkeypatch.setitem(registry.RECIPES, "enc-test", registry.ModelRecipe(**{**test.__dict__, "files": bad}))

