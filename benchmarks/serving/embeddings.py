@@ -4,7 +4,8 @@
   pooling) and the installed encoder (all-MiniLM-L6-v2, `tokenmill models install
   all-minilm-l6-v2`), each its own server;
 - sentence-transformers on the encoder (in this process, no HTTP: its own `encode`, the
-  ceiling a Python client gets), run after the servers are stopped so nothing competes;
+  ceiling a Python client gets), taking turns with each encoder server round by round, so
+  a busy machine's swings hit both alike;
 - llama-server `--embedding` on the same decoder GGUF, where benchmarks/race/peers.py has
   built it (`.peers/llama-server/bin/llama-server`; it is not built here).
 
@@ -13,9 +14,10 @@ Both engine modes by default: with the engine in a child process the 32 inputs o
 reach it over a queue and may be split over several steps; in a thread they arrive as one
 batch.
 Batch 1: one input per request, requests one after another; batch 32: one request
-holding 32 inputs. The rate is inputs embedded per second of wall time at the client.
+holding 32 inputs. The rate is inputs embedded per second of wall time at the client,
+the median over rounds.
 
-    .venv/bin/python -m benchmarks.serving.embeddings [--reps 3] [--quick]
+    .venv/bin/python -m benchmarks.serving.embeddings [--rounds 3 --reps 3 --singles 16] [--quick]
 """
 
 from __future__ import annotations
@@ -52,26 +54,42 @@ def texts_of(tokenize, n: int, seed: int) -> list[str]:
     return out
 
 
-def rates(url: str, model: str, single: list[str], batch: list[str], reps: int) -> dict[str, float]:
-    """Inputs per second at batch 1 (requests one after another) and batch 32 (one request)."""
-    with httpx.Client(base_url=url, timeout=600, trust_env=False) as c:
-        def post(inp) -> None:
-            r = c.post("/v1/embeddings", json={"model": model, "input": inp})
-            r.raise_for_status()
-            assert len(r.json()["data"]) == (1 if isinstance(inp, str) else len(inp))
-
-        post(single[0])  # warm
-        post(batch)
+def rates(embed, single: list[str], batch: list[str], reps: int) -> dict[str, list[float]]:
+    """Per round, inputs per second at batch 1 (`single` one call each, one after another)
+    and batch 32 (`batch` in one call, `reps` times: the median)."""
+    t = time.perf_counter()
+    for s in single:
+        embed(s)
+    one = len(single) / (time.perf_counter() - t)
+    times = []
+    for _ in range(reps):
         t = time.perf_counter()
-        for s in single:
-            post(s)
-        one = len(single) / (time.perf_counter() - t)
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            post(batch)
-            times.append(time.perf_counter() - t)
-        return {"batch 1": one, "batch 32": len(batch) / statistics.median(times)}
+        embed(batch)
+        times.append(time.perf_counter() - t)
+    return {"batch 1": [one], "batch 32": [len(batch) / statistics.median(times)]}
+
+
+def measure(contenders: dict[str, object], single: list[str], batch: list[str], rounds: int,
+            reps: int) -> dict[str, dict[str, float]]:
+    """Each contender's rates, in rounds that take turns (a busy machine's swings hit
+    them alike); the median over rounds."""
+    got: dict[str, dict[str, list[float]]] = {k: {"batch 1": [], "batch 32": []} for k in contenders}
+    for embed in contenders.values():  # warm
+        embed(single[0])
+        embed(batch)
+    for _ in range(rounds):
+        for name, embed in contenders.items():
+            for k, v in rates(embed, single, batch, reps).items():
+                got[name][k] += v
+    return {name: {k: statistics.median(v) for k, v in r.items()} for name, r in got.items()}
+
+
+def http_embed(client: httpx.Client, model: str):
+    def embed(inp) -> None:
+        r = client.post("/v1/embeddings", json={"model": model, "input": inp})
+        r.raise_for_status()
+        assert len(r.json()["data"]) == (1 if isinstance(inp, str) else len(inp))
+    return embed
 
 
 def served_name(url: str) -> str:
@@ -80,17 +98,21 @@ def served_name(url: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=3, help="batch-32 requests per measurement (median)")
-    ap.add_argument("--singles", type=int, default=32, help="batch-1 requests per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds taking turns (median over rounds)")
+    ap.add_argument("--reps", type=int, default=3, help="batch-32 calls per round (median)")
+    ap.add_argument("--singles", type=int, default=16, help="batch-1 calls per round")
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096,
                     help="the servers' step budget (4096: a 32 x 128 batch in one step)")
     ap.add_argument("--engines", default="process,thread",
                     help="the servers' --engine modes to measure, comma-separated")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 4 single requests, one batch of 32, the process engine only")
+                    help="smoke run: one round of 4 single calls and one batch of 32, the process engine only")
     args = ap.parse_args()
     if args.quick:
-        args.reps, args.singles, args.engines = 1, 4, "process"
+        args.rounds, args.reps, args.singles, args.engines = 1, 1, 4, "process"
+    import torch
+    from sentence_transformers import SentenceTransformer
+
     from tokenmill.model import registry
     from tokenmill.model.encoder_config import read_encoder_tokenizer
     from tokenmill.model.metadata import load_model_info
@@ -102,49 +124,46 @@ def main() -> None:
     dec_tok = load_model_info(None).tokenizer
     texts = {"decoder": texts_of(dec_tok.encode, 32 + args.singles, 1),
              "encoder": texts_of(enc_tok.encode, 32 + args.singles, 2)}
+    st = SentenceTransformer(str(encoder), device="cpu")
+    st_name = f"sentence-transformers (in-process, {torch.get_num_threads()} threads), all-MiniLM-L6-v2"
+
+    def st_embed(inp) -> None:
+        st.encode([inp] if isinstance(inp, str) else inp, batch_size=32)
+
     budget = ("--max-num-batched-tokens", str(args.max_num_batched_tokens))
     results: dict[str, dict[str, float]] = {}
-    runs = [(label + ("" if mode == "process" else f" (--engine {mode})"), extra + ("--engine", mode))
-            for mode in args.engines.split(",")
-            for label, extra in (("tokenmill, SmolLM2-135M decoder (last token)", ()),
-                                 ("tokenmill, all-MiniLM-L6-v2 encoder", ("--model", "all-minilm-l6-v2")))]
-    for label, extra in runs:
-        kind = "encoder" if "--model" in extra else "decoder"
-        spec = ServerSpec("tokenmill-" + kind, serve_cmd(*budget, *extra), "/ready")
-        with RunningServer(spec, ROOT / "bench-results" / "embeddings") as srv:
-            t = texts[kind]
-            results[label] = rates(srv.base_url, served_name(srv.base_url), t[32:], t[:32], args.reps)
-        print(label, {k: round(v, 1) for k, v in results[label].items()}, flush=True)
+    log_dir = ROOT / "bench-results" / "embeddings"
+    for mode in args.engines.split(","):
+        tail = "" if mode == "process" else f" (--engine {mode})"
+        for kind, extra in (("decoder", ()), ("encoder", ("--model", "all-minilm-l6-v2"))):
+            label = (f"tokenmill, SmolLM2-135M decoder (last token){tail}" if kind == "decoder"
+                     else f"tokenmill, all-MiniLM-L6-v2 encoder{tail}")
+            spec = ServerSpec("tokenmill-" + kind, serve_cmd(*budget, *extra, "--engine", mode), "/ready")
+            with RunningServer(spec, log_dir) as srv, httpx.Client(base_url=srv.base_url, timeout=600,
+                                                                    trust_env=False) as client:
+                contenders = {label: http_embed(client, served_name(srv.base_url))}
+                if kind == "encoder":  # taking turns with the server, in the same minutes
+                    contenders[f"{st_name}, beside the {mode} engine"] = st_embed
+                t = texts[kind]
+                got = measure(contenders, t[32:], t[:32], args.rounds, args.reps)
+            results.update(got)
+            for name, r in got.items():
+                print(name, {k: round(v, 1) for k, v in r.items()}, flush=True)
     peer = ROOT / ".peers" / "llama-server" / "bin" / "llama-server"
     if peer.exists():
         from benchmarks.race.peers import embedded_gguf
 
         spec = ServerSpec("llama-server", [str(peer), "-m", str(embedded_gguf()), "--port", "{port}", "--embedding",
                                            "--pooling", "last", "-b", "4096", "-ub", "4096", "-np", "1"], "/health")
-        with RunningServer(spec, ROOT / "bench-results" / "embeddings") as srv:
+        with RunningServer(spec, log_dir) as srv, httpx.Client(base_url=srv.base_url, timeout=600,
+                                                                trust_env=False) as client:
             t = texts["decoder"]
-            results["llama-server --embedding, SmolLM2-135M (last token)"] = rates(srv.base_url, "x", t[32:], t[:32],
-                                                                                 args.reps)
+            results.update(measure({"llama-server --embedding, SmolLM2-135M (last token)": http_embed(client, "x")},
+                                   t[32:], t[:32], args.rounds, args.reps))
     else:
         print(f"llama-server: not built here ({peer} is missing; benchmarks/race/peers.py builds it)")
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    st = SentenceTransformer(str(encoder), device="cpu")
-    t = texts["encoder"]
-    st.encode(t[:32], batch_size=32)  # warm
-    start = time.perf_counter()
-    for s in t[32:]:
-        st.encode([s], batch_size=1)
-    one = len(t[32:]) / (time.perf_counter() - start)
-    times = []
-    for _ in range(args.reps):
-        start = time.perf_counter()
-        st.encode(t[:32], batch_size=32)
-        times.append(time.perf_counter() - start)
-    results[f"sentence-transformers (in-process, {torch.get_num_threads()} threads), all-MiniLM-L6-v2"] = {
-        "batch 1": one, "batch 32": 32 / statistics.median(times)}
-    print(f"\nembeddings/s, {TOKENS}-token inputs (server step budget {args.max_num_batched_tokens} tokens)\n")
+    print(f"\nembeddings/s, {TOKENS}-token inputs (server step budget {args.max_num_batched_tokens} tokens; "
+          f"median of {args.rounds} rounds)\n")
     print("| | batch 1 | batch 32 |\n|---|---|---|")
     for label, r in results.items():
         print(f"| {label} | {r['batch 1']:.1f} | {r['batch 32']:.1f} |")
