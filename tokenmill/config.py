@@ -16,7 +16,7 @@ class RequestBounds:
     """What one request may ask for, whatever its tenant: the caps that keep a single
     query from costing the server unbounded work or memory (configurable)."""
     max_n: int = 16  # samples per prompt (n, best_of)
-    max_prompts: int = 64  # prompts in one /v1/completions body
+    max_prompts: int = 64  # prompts in one /v1/completions body (inputs to /v1/embeddings, /v1/rerank)
     max_logprobs: int = 20  # logprobs / top_logprobs
     max_stop: int = 16  # stop strings
     max_stop_chars: int = 256  # characters in one stop string

@@ -1,6 +1,7 @@
 """A bounded, seeded schemathesis run against a live server, over its own OpenAPI
 document: the POST endpoints (chat, completions, and the dialects: Responses, Messages,
-tokenize), schema-conforming (positive) and schema-violating (negative) bodies. The
+tokenize, embeddings, rerank), schema-conforming (positive) and schema-violating
+(negative) bodies. The
 promise checked for every case: no 5xx, no hang, an error in the route's own shape
 (Anthropic's on /v1/messages, OpenAI's elsewhere) for every 4xx, a stream that ends as
 its dialect ends one, and /health still answering 200 afterwards.
@@ -74,7 +75,7 @@ SHAPED_BOUNDS: dict[str, dict[str, dict]] = {
     "tokens": {"array": {"items": {"type": "integer", **TOKEN_ID}}},
 }
 BODIES = ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest",
-          "TokenizeRequest", "DetokenizeRequest")
+          "TokenizeRequest", "DetokenizeRequest", "EmbeddingRequest", "RerankRequest")
 PROMPT = {"anyOf": [
     {"type": "string"},
     {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"type": "string"}},
@@ -102,8 +103,9 @@ def narrowed(doc: dict) -> dict:
         for field, by_type in SHAPED_BOUNDS.items():
             for branch in _branches(props.get(field, {})):
                 branch.update(by_type.get(branch.get("type"), {}))
-        if "prompt" in props:
-            props["prompt"] = PROMPT
+        for field in ("prompt", "input"):  # (/v1/embeddings' input has the prompt's shapes)
+            if field in props:
+                props[field] = PROMPT
     return doc
 
 
@@ -198,7 +200,8 @@ SETTINGS = settings(derandomize=True, database=None, deadline=None,
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                                  "/v1/messages/count_tokens", "/tokenize", "/detokenize"])
+                                  "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/embeddings",
+                                  "/v1/rerank"])
 def test_fuzz(fuzz_server, schema, path, mode):
     operation = schema[path]["POST"]
     tally = Tally()

@@ -22,22 +22,23 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
-from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, AdmissionError, CachePin, Choice,
-                                    EngineBusy, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter,
-                                    Priority, RequestOutput, RequestTimes, ResolvedParams, SamplingParams, Snapshot,
-                                    SnapshotMismatch, StructuredOutput, TokenLogprob, split_snapshot_id,
-                                    text_digest)
+from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, POOLINGS, AdmissionError, CachePin,
+                                    Choice, EmbeddingSpec, EngineBusy, EngineDeadError, EngineStats, GenerationDefaults,
+                                    InvalidParameter, Priority, RequestOutput, RequestTimes, ResolvedParams,
+                                    SamplingParams, Snapshot, SnapshotMismatch, StructuredOutput, TokenLogprob,
+                                    split_snapshot_id, text_digest)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.tokenizer import Tokenizer
 
 __all__ = [
-    "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EngineBusy", "EngineClient", "EngineConfig",
-    "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "ModelOptions",
-    "Priority", "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
-    "SchedulerConfig", "ServedModel", "Snapshot", "SnapshotMismatch", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE",
-    "UnknownModel", "check_knobs", "split_snapshot_id", "text_digest",
+    "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EmbeddingSpec", "EngineBusy",
+    "EngineClient", "EngineConfig", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults",
+    "InvalidParameter", "ModelOptions", "POOLINGS", "Priority", "RequestBounds", "RequestLimits", "RequestOutput",
+    "RequestTimes", "ResolvedParams", "SamplingParams", "SchedulerConfig", "ServedModel", "Snapshot",
+    "SnapshotMismatch", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE", "UnknownModel",
+    "check_knobs", "split_snapshot_id", "text_digest",
 ]
 
 
@@ -64,6 +65,8 @@ class RequestLimits:
         penalties); max_tokens the client's, else the default for silent requests, else
         the room left in the context; `cap` (a tenant's output cap) clamps it; greedy
         decided, top_k normalized. Raises InvalidParameter / AdmissionError."""
+        if params.pooling is not None:
+            return self._resolve_pooling(prompts, params)
         d = defaults or _NO_DEFAULTS
 
         def pick(name: str, api_default):
@@ -119,6 +122,32 @@ class RequestLimits:
             logit_bias=dict(params.logit_bias) if params.logit_bias else None, structured=params.structured,
             speculative=params.speculative, cache_pins=tuple(params.cache_pins), thinking=params.thinking,
             thinking_token_budget=params.thinking_token_budget if params.thinking is not None else None)
+
+    def _resolve_pooling(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> ResolvedParams:
+        """An embedding request: each prompt computed once, nothing sampled or decoded
+        (max_tokens 0), so only the prompts' bounds apply."""
+        if params.pooling not in POOLINGS:
+            raise InvalidParameter("pooling", f"pooling must be one of {', '.join(POOLINGS)}, got {params.pooling!r}")
+        if params.n != 1:
+            raise InvalidParameter("n", "an embedding request has one result per input (n must be 1)")
+        b = self.bounds
+        if not prompts:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        if len(prompts) > b.max_prompts:
+            raise InvalidParameter("prompt", f"at most {b.max_prompts} prompts per request, got {len(prompts)}")
+        for ids in prompts:
+            self.check_token_ids(ids)
+        longest = max(len(ids) for ids in prompts)
+        if longest > self.max_model_len:
+            raise AdmissionError(f"this model's maximum context length is {self.max_model_len} tokens, but an "
+                                 f"input has {longest} tokens", param="input")
+        self.check_fits(longest, 0)
+        return ResolvedParams(
+            n=1, greedy=True, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
+            frequency_penalty=0.0, repetition_penalty=1.0, seed=None, stop=(), stop_token_ids=(), ignore_eos=True,
+            max_tokens=0, min_tokens=0, logprobs=None, prompt_logprobs=None, skip_special_tokens=True,
+            include_stop_str_in_output=False, logit_bias=None, structured=None, speculative=False, cache_pins=(),
+            pooling=params.pooling)
 
     def check_token_ids(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -240,6 +269,7 @@ class ServedModel:
     started_limits: RequestLimits | None  # None until the engine has started (its KV cache sized)
     snapshot: Snapshot | None = None  # None: a model built in memory, with no files to pin
     parent: str | None = None  # a LoRA adapter's base model (None: a model itself)
+    embedding: EmbeddingSpec | None = None  # what /v1/embeddings may ask of it (None: nothing)
 
     @property
     def limits(self) -> RequestLimits:

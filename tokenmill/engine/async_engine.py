@@ -54,14 +54,15 @@ class AsyncEngine(EngineFront):
         return cls(None, config, info=load_model_info(config.model.path))
 
     def _build(self) -> None:
-        from tokenmill.engine.llm_engine import LLMEngine
-
+        # (torch: in the engine's thread or process only)
         if self._loaded is None:
-            m = self.config.model
-            from tokenmill.model.loader import load_model  # (torch: in the engine's thread or process only)
+            from tokenmill.engine.encoder_engine import build_core
 
-            self._loaded = load_model(m.path, m.dtype, m.quantization)
-        self.engine = LLMEngine(self._loaded, self.config, self.defaults)
+            self.engine = build_core(self.config, self.defaults)
+        else:
+            from tokenmill.engine.llm_engine import LLMEngine
+
+            self.engine = LLMEngine(self._loaded, self.config, self.defaults)
         self._limits = self.engine.limits
         self._stats = self.engine.stats()
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import ModelOptions, RequestBounds
 from tokenmill.engine.api import RequestLimits, ServedModel, UnknownModel, check_knobs
-from tokenmill.engine.types import (EngineBusy, EngineDeadError, EngineStats, GenerationDefaults, InvalidParameter,
-                                    Priority, RequestOutput, ResolvedParams, SamplingParams, Snapshot)
+from tokenmill.engine.types import (EmbeddingSpec, EngineBusy, EngineDeadError, EngineStats, GenerationDefaults,
+                                    InvalidParameter, Priority, RequestOutput, ResolvedParams, SamplingParams, Snapshot)
 
 if TYPE_CHECKING:
     from tokenmill.model.config import ModelConfig
@@ -61,6 +61,16 @@ def generation_defaults(model_generation: dict[str, float | int], options: Model
     if own.max_tokens is not None and own.max_tokens < 1:
         raise ValueError(f"the generation defaults' max_new_tokens must be positive, got {own.max_tokens}")
     return own.over(GenerationDefaults(max_tokens=options.default_max_tokens))
+
+
+def embedding_spec(cfg: Any) -> EmbeddingSpec:
+    """A decoder pools its final hidden states as a request asks (last token by default:
+    the one position that has read the whole prompt); an encoder (its EncoderConfig has a
+    `pooling`) as it was trained to, and may be truncatable."""
+    pooling = getattr(cfg, "pooling", None)
+    if pooling is None:
+        return EmbeddingSpec(cfg.hidden_size, ("last", "mean"), None, generates=True)
+    return EmbeddingSpec(cfg.hidden_size, (pooling,), cfg.truncatable, generates=False)
 
 
 @dataclass
@@ -167,8 +177,9 @@ class EngineFront:
             if model not in self._adapters:
                 raise UnknownModel(model, self.model_names())
             return ServedModel(model, self.tokenizer, self.model_config, self.defaults, self._limits, self.snapshot,
-                               parent=self.name)
-        return ServedModel(self.name, self.tokenizer, self.model_config, self.defaults, self._limits, self.snapshot)
+                               parent=self.name, embedding=embedding_spec(self.model_config))
+        return ServedModel(self.name, self.tokenizer, self.model_config, self.defaults, self._limits, self.snapshot,
+                           embedding=embedding_spec(self.model_config))
 
     def stats(self) -> EngineStats:
         # a snapshot refreshed by the loop after each step

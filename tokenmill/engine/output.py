@@ -30,6 +30,8 @@ class _TextState:
         self.stopped = False  # a stop string ended the text: nothing after it is emitted
         self.stop_reason: str | None = None  # the stop string found
         self.num_sent = 0  # output tokens already passed on (a step may add several)
+        self.pooled = None  # an embedding request's pooled hidden state so far (a tensor)
+        self.num_pooled = 0  # the prompt rows in it
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,14 @@ class OutputProcessor:
             for pos, lp in entries:  # a recompute after preemption scores positions again
                 if pos == len(st.prompt_logprobs):
                     st.prompt_logprobs.append(lp)
+        for rid, (start, count, vec) in result.pooled.items():
+            st = self._states.get(rid)
+            if st is None:
+                continue
+            if start == 0 or st.pooled is None:  # the first chunk (again, after a preemption)
+                st.pooled, st.num_pooled = vec, count
+            else:
+                st.pooled, st.num_pooled = st.pooled + vec, st.num_pooled + count
         for req in produced:
             st = self._states[req.request_id]
             toks = req.output_token_ids[st.num_sent:]
@@ -138,8 +148,12 @@ class OutputProcessor:
         if st.prompt_logprobs is not None and not st.prompt_logprobs_sent:
             plp = st.prompt_logprobs
             st.prompt_logprobs_sent = True
+        embedding = None
         if finished:
             self._states.pop(req.request_id, None)
+            if st.pooled is not None and req.finish_reason != "abort":
+                pooled = st.pooled / st.num_pooled if req.params.pooling == "mean" else st.pooled
+                embedding = pooled.tolist()
         return RequestOutput(
             request_id=req.group_id, index=req.index, new_token_ids=toks, text=text,
             finished=finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
@@ -148,5 +162,5 @@ class OutputProcessor:
             num_output_tokens=req.num_output_tokens, logprobs=logprobs, prompt_logprobs=plp,
             times=req.times if finished else None,
             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
-            num_reasoning_tokens=req.num_reasoning_tokens,
+            num_reasoning_tokens=req.num_reasoning_tokens, embedding=embedding,
         )

@@ -57,6 +57,14 @@ def _die_with_parent(parent_pid: int, lifeline: Any) -> None:
     threading.Thread(target=watch, name="tokenmill-lifeline", daemon=True).start()
 
 
+def _take(cmds: list, item: Any) -> None:
+    """A message is one command, or the list of them the front gave in one turn."""
+    if isinstance(item, list):
+        cmds.extend(item)
+    else:
+        cmds.append(item)
+
+
 def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, parent_pid: int) -> None:
     # (the requests it gets are resolved by the front: the child needs no generation defaults)
     _die_with_parent(parent_pid, lifeline)
@@ -68,12 +76,10 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
     from tokenmill import logs
 
     logs.configure_from_env()
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.model.loader import load_model
+    from tokenmill.engine.encoder_engine import build_core
 
     try:
-        m = config.model
-        engine = LLMEngine(load_model(m.path, m.dtype, m.quantization), config)
+        engine = build_core(config)
     except BaseException as exc:
         out_q.put(("failed", repr(exc)))
         return
@@ -82,10 +88,10 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
         while True:
             cmds = []
             if not engine.has_unfinished():
-                cmds.append(cmd_q.get())  # idle: block until there is something to do
+                _take(cmds, cmd_q.get())  # idle: block until there is something to do
             while True:
                 try:
-                    cmds.append(cmd_q.get_nowait())
+                    _take(cmds, cmd_q.get_nowait())
                 except queue.Empty:
                     break
             if _STOP in cmds:
@@ -115,6 +121,7 @@ class ProcessEngine(EngineFront):
         self.config = config
         self._ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP threads
         self._child: _Child | None = None
+        self._pending: list[AddCommand | AbortCommand] = []  # given this turn of the event loop (_submit)
         # The child imports torch and loads the weights (seconds) while this process reads
         # the metadata and builds the tokenizer (up to a second for a 150K vocabulary): a
         # start costs the longer of the two, not their sum. Only from the main thread,
@@ -196,6 +203,7 @@ class ProcessEngine(EngineFront):
         if child is None:
             return
         if child.proc.is_alive():
+            self._flush()
             child.cmd_q.put(_STOP)
             await asyncio.to_thread(child.proc.join, 30)
         await asyncio.to_thread(self._close, child)
@@ -215,9 +223,30 @@ class ProcessEngine(EngineFront):
             q.cancel_join_thread()
 
     def _submit(self, cmd: AddCommand | AbortCommand) -> None:
+        """Commands given in one turn of the event loop go to the child as one message, so
+        the inputs of one body (a /v1/embeddings list, several prompts) reach the same step
+        instead of the first arriving alone; from another thread, at once."""
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop:
+            self._flush()
+            self._send(cmd)
+            return
+        self._pending.append(cmd)
+        if len(self._pending) == 1:
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        cmds, self._pending = self._pending, []
+        if cmds:
+            self._send(cmds)
+
+    def _send(self, item: Any) -> None:
         child = self._child
         if child is not None and not child.closed:
-            child.cmd_q.put(cmd)
+            child.cmd_q.put(item)
 
     def _read(self, child: _Child) -> None:
         loop = self._loop

@@ -45,6 +45,10 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per sampled token
     # request id -> [(position, logprob)] for prompt tokens scored this step
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    # embedding requests (params.pooling): request id -> (the chunk's first position, its
+    # rows' count, their final hidden states summed in fp32 ("mean"), or the prompt's first
+    # row ("cls", from the chunk at 0) or last ("last", from the chunk that ends the prompt))
+    pooled: dict[str, tuple[int, int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -156,7 +160,8 @@ class ModelRunner:
             inputs = None
         ids_t, pos_t, meta, cu = inputs or self._inputs(sch)
         T, D = ids_t.shape[0], meta.num_decodes
-        sample_rows = [i for i, s in enumerate(sch) if s.sample]
+        sample_rows = [i for i, s in enumerate(sch) if s.sample and s.params.pooling is None]
+        pool_rows = [i for i, s in enumerate(sch) if s.params.pooling is not None]
         wants_prompt = [s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) - 1 for s in sch]
         fused = None
         if D == T and len(sample_rows) == T and not any(wants_prompt):
@@ -191,6 +196,16 @@ class ModelRunner:
                 d = s.draft_token_ids
                 if not (len(toks) <= len(d) and d[len(toks) - 1] == tok):
                     verified.add(rid)
+        for i in pool_rows:
+            s = sch[i]
+            rows = hidden[cu[i]:cu[i + 1]]
+            if s.params.pooling == "mean":
+                result.pooled[s.request_id] = (s.start, rows.shape[0], rows.float().sum(0))
+            elif s.params.pooling == "cls":
+                if s.start == 0:
+                    result.pooled[s.request_id] = (0, 1, rows[0].float())
+            elif s.sample:
+                result.pooled[s.request_id] = (s.start, 1, rows[-1].float())
         for i, s in enumerate(sch):
             if wants_prompt[i]:
                 result.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, hidden[cu[i]:cu[i + 1]])

@@ -160,7 +160,8 @@ class Scheduler:
         where the pool cannot hold them)."""
         if self.spec is None or not budget.chosen or budget.tokens <= 0:
             return {}
-        decodes = [r for r, n in budget.chosen.values() if r.num_tokens - r.num_computed_tokens == n == 1]
+        decodes = [r for r, n in budget.chosen.values()
+                   if r.num_tokens - r.num_computed_tokens == n == 1 and r.params.pooling is None]
         if not decodes:
             return {}
         prefill = sum(n for r, n in budget.chosen.values() if r.num_tokens - r.num_computed_tokens != 1)
@@ -190,7 +191,8 @@ class Scheduler:
         its length at most."""
         chosen = budget.chosen
         if (self.config.decode_steps > 1 and not budget.preempted and chosen and not drafts
-                and all(r.num_tokens - r.num_computed_tokens == 1 for r, _ in chosen.values())):
+                and all(r.num_tokens - r.num_computed_tokens == 1 and r.params.pooling is None
+                        for r, _ in chosen.values())):
             return burst_steps(self.config, self.kv, [r for r, _ in chosen.values()], self.thinking.room)
         return 1
 
@@ -268,8 +270,9 @@ class Scheduler:
             self.kv.fork(gate.fork_from, req, n_share)
             req.num_computed_tokens = n_share * self.kv.block_size
         elif req.num_computed_tokens == 0:
+            # (prompt logprobs and a mean pooling read every prompt position's output: no hits)
             computed, _ = self.kv.get_computed_blocks(
-                req, use_cache=req.params.prompt_logprobs is None)
+                req, use_cache=req.params.prompt_logprobs is None and req.params.pooling is None)
         num_new = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size,
                       budget.room(req))
         if self.kv.allocate_slots(req, num_new, computed) is None:
@@ -321,6 +324,12 @@ class Scheduler:
             req.num_computed_tokens += len(sr.token_ids) - len(sr.draft_token_ids)
             if not sr.sample:
                 self.kv.cache_blocks(req)
+                continue
+            if req.params.pooling is not None:  # an embedding: the prompt is computed, nothing is sampled
+                self.kv.cache_blocks(req)
+                req.times.first_token = now
+                produced.append(req)
+                self.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
                 continue
             first = req.times.first_token is None
             if first:

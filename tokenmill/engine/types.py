@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
-    "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EngineDeadError", "EngineStats", "GREEDY_BELOW",
-    "GenerationDefaults", "InvalidParameter", "Priority", "RequestOutput", "RequestTimes", "ResolvedParams",
-    "SamplingParams", "Snapshot", "SnapshotMismatch", "StructuredOutput", "TokenLogprob", "split_snapshot_id",
-    "text_digest",
+    "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EmbeddingSpec", "EngineBusy", "EngineDeadError",
+    "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "POOLINGS", "Priority", "RequestOutput",
+    "RequestTimes", "ResolvedParams", "SamplingParams", "Snapshot", "SnapshotMismatch", "StructuredOutput",
+    "TokenLogprob", "split_snapshot_id", "text_digest",
 ]
 
 
@@ -133,6 +133,23 @@ class StructuredOutput:
     value: Any = None
 
 
+# How an embedding request pools its prompt's final hidden states (after the final norm):
+# the last token's (what a causal model has read the whole prompt into) or their mean
+POOLINGS = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """What a served model's embeddings are (ServedModel.embedding): their size, the
+    poolings a request may ask for (the first is the default), the sizes `dimensions` may
+    truncate them to (a Matryoshka-trained model; None: none, (): any up to `size`), and
+    whether the model also generates text (an encoder does not)."""
+    size: int
+    poolings: tuple[str, ...]
+    truncatable: tuple[int, ...] | None
+    generates: bool
+
+
 # Prompt-cache TTLs a client may ask for (Anthropic's cache_control "ttl"), in seconds
 CACHE_TTLS = {"5m": 300, "1h": 3600}
 MAX_CACHE_PINS = 4  # breakpoints per request, as Anthropic allows
@@ -194,6 +211,8 @@ class SamplingParams:
     cache_pins: tuple[CachePin, ...] = ()  # prompt prefixes to keep cached (cache_control)
     thinking: ThinkingTags | None = None  # a thinking model's tags (None: replies are not parsed for thinking)
     thinking_token_budget: int | None = None  # most reasoning tokens, tags included (None: unbounded)
+    # an embedding request (POOLINGS): the prompt's final hidden states pooled, nothing decoded
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -259,6 +278,7 @@ class ResolvedParams:
     cache_pins: tuple[CachePin, ...]
     thinking: ThinkingTags | None = None
     thinking_token_budget: int | None = None  # set only with thinking
+    pooling: str | None = None  # an embedding request: max_tokens is 0, the output is `embedding`
 
     @property
     def has_penalties(self) -> bool:
@@ -308,6 +328,9 @@ class RequestOutput:
     # (tokens it read from the cache are num_cached_tokens)
     cache_write_tokens: dict[int, int] = field(default_factory=dict)
     num_reasoning_tokens: int = 0  # of the output so far, inside the thinking block (tags included)
+    # an embedding request's pooled final hidden state, on its finished output (a decoder's
+    # is not normalized; an encoder's has the model's own normalization, if any)
+    embedding: list[float] | None = None
 
 
 @dataclass

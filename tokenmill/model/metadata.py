@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.embedded import EMBEDDED_FILE, EMBEDDED_PACKAGE, default_model_path  # noqa: F401
+from tokenmill.model.encoder_config import EncoderConfig, is_encoder_folder, read_encoder_config, read_encoder_tokenizer
 from tokenmill.model.tokenizer import Tokenizer
 
 
@@ -17,7 +18,7 @@ from tokenmill.model.tokenizer import Tokenizer
 class ModelInfo:
     """A model without its weights: what a front end in another process than the engine
     needs (architecture, tokenizer, the model's own generation defaults)."""
-    config: ModelConfig
+    config: ModelConfig | EncoderConfig
     tokenizer: Tokenizer | None
     generation: dict[str, float | int]  # tokenmill/model/generation.py
 
@@ -28,6 +29,8 @@ def load_model_info(path: str | None = None) -> ModelInfo:
     resolved = path or default_model_path()
     if not os.path.exists(resolved):
         raise ModelLoadError(f"model path not found: {resolved}")
+    if is_encoder_folder(resolved):  # an embedding model: no generation defaults
+        return ModelInfo(read_encoder_config(resolved), read_encoder_tokenizer(resolved), {})
     if os.path.isdir(resolved):
         from tokenmill.model.safetensors_loader import HFCheckpoint
 

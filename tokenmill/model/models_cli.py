@@ -42,6 +42,9 @@ def list_models() -> None:
         typer.echo(f"{name}: {description}\n    {where}")
         if name in registry.RECIPES:  # the terms a user accepts by installing it
             typer.echo(f"    license: {registry.RECIPES[name].license}")
+        if name in registry.RECIPES and registry.RECIPES[name].task == "embed":
+            typer.echo("    task: embeddings and rerank (/v1/embeddings, /v1/rerank); it generates no text")
+            continue
         if os.path.isfile(where):  # what serving it applies: the file's own, else its recipe's
             defaults = model_generation_defaults(where)
         else:

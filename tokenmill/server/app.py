@@ -20,6 +20,7 @@ from tokenmill.batch.runner import BatchLimits
 from tokenmill.engine.api import EngineClient, text_digest
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
 from tokenmill.server.dialects import add_dialect_routes
+from tokenmill.server.dialects.embeddings import model_capabilities
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
@@ -244,7 +245,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
                          "generation_defaults": m.defaults.as_dict(),
                          # pin it by requesting this id (tokenmill models show NAME prints the manifest)
                          "snapshot": (snapshot if name == model_name else m.snapshot).id
-                         if m.snapshot is not None else None})
+                         if m.snapshot is not None else None,
+                         # generation or embeddings, and how embeddings and rerank are made
+                         **model_capabilities(m.embedding)})
         data += [a.as_dict() for a in aliases.values()]
         return {"object": "list", "data": data}
 

@@ -86,7 +86,7 @@ class Frontdoor:
         rid = rid or uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["client_request_id"] = rid
-        is_api = scope["path"].startswith("/v1/") or scope["path"] in ("/tokenize", "/detokenize")
+        is_api = scope["path"].startswith("/v1/") or scope["path"] in ("/tokenize", "/detokenize", "/rerank")
         tenant = self._tenant(scope) if is_api else None
         state["tenant"] = tenant
 

@@ -347,14 +347,14 @@ _DECODER = json.JSONDecoder()
 def _array_limits(bounds: RequestBounds) -> dict[str, int]:
     return {"stop": bounds.max_stop, "stop_token_ids": bounds.max_stop_token_ids,
             "logit_bias": bounds.max_logit_bias, "messages": bounds.max_messages,
-            "prompt": bounds.max_prompts}
+            "prompt": bounds.max_prompts, "input": bounds.max_prompts, "documents": bounds.max_prompts}
 
 
 def check_body_shape(raw: bytes, bounds: RequestBounds) -> None:
     """Refuse a body whose bounded lists (stop, stop_token_ids, logit_bias, messages,
-    prompt) hold more entries than any request may, before the whole body is parsed:
-    parsing a million stop strings into Python objects takes longer than refusing them
-    should. Walks only the top-level object, counting entries of the bounded fields and
+    prompt, and the embedding and rerank inputs) hold more entries than any request may,
+    before the whole body is parsed: parsing a million stop strings into Python objects
+    takes longer than refusing them should. Walks only the top-level object, counting entries of the bounded fields and
     stopping at the first one too many; a malformed body is left to the full parser."""
     limits = _array_limits(bounds)
     try:
@@ -378,7 +378,7 @@ def check_body_shape(raw: bytes, bounds: RequestBounds) -> None:
                 return
             i = skip_ws(i + 1)
             limit = limits.get(key)
-            if key == "prompt" and i < n and text[i] == "[" and text[skip_ws(i + 1)] in "-0123456789":
+            if key in ("prompt", "input") and i < n and text[i] == "[" and text[skip_ws(i + 1)] in "-0123456789":
                 limit = None  # one prompt's token ids: parsed at C speed, bounded by the context after
             if limit is not None and i < n and text[i] in "[{":
                 close = "]" if text[i] == "[" else "}"

@@ -135,6 +135,13 @@ class BaseServing:
     def fingerprint(self) -> str | None:
         return self.snapshot.id if self.snapshot is not None else None
 
+    def check_generates(self) -> None:
+        """An embedding model (an encoder) answers generation with a clear 400."""
+        spec = self.engine.served(self.model_name).embedding
+        if spec is not None and not spec.generates:
+            raise APIError(400, f"{self.model_name} is an embedding model: it serves /v1/embeddings and "
+                                "/v1/rerank, not text generation", param="model", code="model_not_supported")
+
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
         /health must not wait for it. JSON may carry lone surrogates (\\ud800), which are
@@ -157,6 +164,8 @@ class BaseServing:
         num_prompt = sum(len(ids) for ids in prompts)
         try:
             served = self.engine.served(ctx.model or self.model_name)
+            if params.pooling is None:
+                self.check_generates()
             cap = ctx.gate.output_cap(ctx, num_prompt, params.n) if ctx.gate is not None else None
             resolved = served.resolve(prompts, params, cap=cap)
         except InvalidParameter as exc:

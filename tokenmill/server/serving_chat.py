@@ -55,6 +55,7 @@ class ServingChat(BaseServing):
         """Everything checked and the prompt tokenized: (prompt ids, params to run). With
         no gate on ctx this is only the check (a batch line's validation)."""
         self.check_model(body.model, ctx)
+        self.check_generates()
         text = await self.render_text(body)
         ids = await self.encode(text, "messages", add_special_tokens=False)
         if self._tag_tokens is None:

@@ -1,0 +1,130 @@
+"""A BERT-family encoder (bidirectional attention, no KV cache): token ids in, one
+pooled vector per input out, as sentence-transformers computes it (Transformer ->
+Pooling -> Normalize).
+
+The batch is flat and unpadded, as the decoder's: `input_ids[T]` of several inputs
+back to back, `cu[S + 1]` their offsets. Every linear layer runs over all T rows at
+once; attention runs per input (a loop per sequence, S of them), each input seeing all
+of its own tokens and none of another's, so no padding is computed and an input's
+vector does not depend on what it is batched with beyond matmul rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.config import ModelLoadError
+from tokenmill.model.encoder_config import EncoderConfig, read_encoder_config
+
+# checkpoint names that carry nothing the forward uses (a buffer, the NSP pooler head)
+_UNUSED = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
+
+
+def _expected_shapes(cfg: EncoderConfig) -> dict[str, tuple[int, ...]]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"embeddings.word_embeddings.weight": (cfg.vocab_size, h),
+              "embeddings.position_embeddings.weight": (cfg.max_position_embeddings, h),
+              "embeddings.token_type_embeddings.weight": (cfg.type_vocab_size, h),
+              "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,)}
+    for n in range(cfg.num_layers):
+        p = f"encoder.layer.{n}."
+        for lin, (out, inp) in {"attention.self.query": (h, h), "attention.self.key": (h, h),
+                                "attention.self.value": (h, h), "attention.output.dense": (h, h),
+                                "intermediate.dense": (i, h), "output.dense": (h, i)}.items():
+            shapes[p + lin + ".weight"] = (out, inp)
+            shapes[p + lin + ".bias"] = (out,)
+        for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+            shapes[p + ln + ".weight"] = (h,)
+            shapes[p + ln + ".bias"] = (h,)
+    return shapes
+
+
+class BertEncoder:
+    """Weights as plain tensors (float32) and a forward over a flat batch."""
+
+    def __init__(self, cfg: EncoderConfig, weights: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        w = weights
+        self.word = w["embeddings.word_embeddings.weight"]
+        self.pos = w["embeddings.position_embeddings.weight"]
+        self.type0 = w["embeddings.token_type_embeddings.weight"][0]  # one segment: type id 0
+        self.emb_ln = (w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
+        self.layers = []
+        for n in range(cfg.num_layers):
+            p = f"encoder.layer.{n}."
+            # q, k and v as one matmul
+            qkv_w = torch.cat([w[p + f"attention.self.{x}.weight"] for x in ("query", "key", "value")])
+            qkv_b = torch.cat([w[p + f"attention.self.{x}.bias"] for x in ("query", "key", "value")])
+            self.layers.append(dict(
+                qkv=(qkv_w, qkv_b),
+                out=(w[p + "attention.output.dense.weight"], w[p + "attention.output.dense.bias"]),
+                ln1=(w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"]),
+                up=(w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"]),
+                down=(w[p + "output.dense.weight"], w[p + "output.dense.bias"]),
+                ln2=(w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])))
+
+    def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), wb[0], wb[1], self.cfg.layer_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cu: list[int]) -> torch.Tensor:
+        """The last layer's token states [T, hidden] of the inputs input_ids[cu[s]:cu[s+1]]."""
+        cfg = self.cfg
+        positions = torch.cat([torch.arange(cu[s + 1] - cu[s]) for s in range(len(cu) - 1)])
+        x = self._ln(self.word[input_ids] + self.pos[positions] + self.type0, self.emb_ln)
+        H, D = cfg.num_heads, cfg.head_dim
+        for layer in self.layers:
+            qkv = F.linear(x, *layer["qkv"])  # [T, 3 * hidden]
+            attn = torch.empty_like(x)
+            for s in range(len(cu) - 1):
+                a, b = cu[s], cu[s + 1]
+                q, k, v = qkv[a:b].view(b - a, 3, H, D).permute(1, 2, 0, 3)  # 3 x [H, L, D]
+                attn[a:b] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(b - a, H * D)
+            x = self._ln(x + F.linear(attn, *layer["out"]), layer["ln1"])
+            x = self._ln(x + F.linear(F.gelu(F.linear(x, *layer["up"])), *layer["down"]), layer["ln2"])
+        return x
+
+    def pool(self, states: torch.Tensor, cu: list[int]) -> torch.Tensor:
+        """One vector per input [S, hidden], pooled and (if the model says so) normalized."""
+        rows = []
+        for s in range(len(cu) - 1):
+            h = states[cu[s]:cu[s + 1]]
+            rows.append(h.mean(0) if self.cfg.pooling == "mean" else h[0] if self.cfg.pooling == "cls" else h[-1])
+        out = torch.stack(rows)
+        return F.normalize(out, p=2.0, dim=-1) if self.cfg.normalize else out
+
+    def embed(self, inputs: list[list[int]]) -> torch.Tensor:
+        cu = [0]
+        for ids in inputs:
+            cu.append(cu[-1] + len(ids))
+        ids = torch.tensor([t for x in inputs for t in x], dtype=torch.int64)
+        return self.pool(self.forward(ids, cu), cu)
+
+
+def load_encoder(folder: str) -> BertEncoder:
+    """The encoder in `folder`, its weights checked by name, shape and dtype."""
+    from safetensors.torch import load_file
+
+    cfg = read_encoder_config(folder)
+    path = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"the encoder folder lacks model.safetensors: {folder}")
+    raw = load_file(path)
+    raw = {k.removeprefix("bert."): v for k, v in raw.items()}  # BertForX checkpoints prefix their names
+    want = _expected_shapes(cfg)
+    missing = sorted(set(want) - set(raw))
+    extra = sorted(set(raw) - set(want) - set(_UNUSED))
+    if missing or extra:
+        raise ModelLoadError(f"encoder weights do not match config.json: missing {missing[:5]}, unexpected {extra[:5]}")
+    weights = {}
+    for name, shape in want.items():
+        t = raw[name]
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        if not t.is_floating_point():
+            raise ModelLoadError(f"{name} is {t.dtype}, not a floating-point tensor")
+        weights[name] = t.float()
+    return BertEncoder(cfg, weights)
