@@ -109,7 +109,7 @@ class _Child:
 
 
 class ProcessEngine(EngineFront):
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, launch_early: bool = True):
         self.config = config
         self._ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP threads
         self._child: _Child | None = None
@@ -117,8 +117,10 @@ class ProcessEngine(EngineFront):
         # the metadata and builds the tokenizer (up to a second for a 150K vocabulary): a
         # start costs the longer of the two, not their sum. Only from the main thread,
         # whose exit is this process's (the kernel's parent-death signal follows the
-        # thread that forked); elsewhere the child starts in start().
-        early = self._launch() if threading.current_thread() is threading.main_thread() else None
+        # thread that forked); elsewhere, or for a model loaded on demand
+        # (`launch_early=False`: engine/models.py), the child starts in start().
+        main = threading.current_thread() is threading.main_thread()
+        early = self._launch() if launch_early and main else None
         try:
             info = load_model_info(config.model.path)
             defaults = generation_defaults(info.generation, config.model)

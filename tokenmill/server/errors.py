@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.api import AdmissionError, EngineDeadError, InvalidParameter
+from tokenmill.engine.api import AdmissionError, EngineDeadError, InvalidParameter, ModelUnavailable
 
 log = logging.getLogger("tokenmill.server")
 
@@ -78,6 +78,9 @@ def as_api_error(exc: Exception) -> APIError | None:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, AdmissionError):
         return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, ModelUnavailable):
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
+        return APIError(503, str(exc), param="model", code=exc.code, headers=headers)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, (RequestValidationError, ValidationError)):
@@ -90,6 +93,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidParameter)
     @app.exception_handler(AdmissionError)
     @app.exception_handler(EngineDeadError)
+    @app.exception_handler(ModelUnavailable)
     @app.exception_handler(RequestValidationError)
     async def _client_error(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()

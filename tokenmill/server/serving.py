@@ -8,6 +8,7 @@ SSE chunks. A client that goes away aborts its request in the engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -19,9 +20,10 @@ from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.api import (CACHE_TTLS, AdmissionError, EngineClient, EngineDeadError, InvalidParameter,
-                                  Priority, RequestOutput, ResolvedParams, SamplingParams, UnknownModel)
+                                  ModelHost, ModelUnavailable, Priority, RequestOutput, ResolvedParams,
+                                  SamplingParams, UnknownModel)
 from tokenmill.model.tokenizer import Tokenizer
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, as_api_error
 from tokenmill.server.metrics import Metrics
 
 
@@ -84,21 +86,52 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def per_model(method):
+    """Run a serving entry point (its first argument: a body naming a model) on the
+    serving object of that model: each model has its own tokenizer, name and template."""
+    @functools.wraps(method)
+    async def run(self, body, *args, **kwargs):
+        own = self.for_model(body.model)
+        return await method(own, body, *args, **kwargs)
+
+    return run
+
+
 class BaseServing:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        self.siblings: dict[str, BaseServing] = {model_name: self}  # one per model the engine serves
         self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
 
     # -- request side -------------------------------------------------------------------
-    def check_model(self, model: str) -> None:
-        """The engine client says which names it serves (the one namespace of models)."""
+    def check_model(self, model: str | None) -> str:
+        """The engine client says which names it serves (the one namespace of models);
+        the name it serves `model` under."""
         try:
-            self.engine.served(model)
+            return self.engine.served(model).name
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
+
+    def for_model(self, model: str | None):
+        """The serving object of `model` (404 for a name not served)."""
+        return self.siblings.get(self.check_model(model), self)
+
+    async def hold_model(self, ctx: RequestContext, keep_alive: float | None):
+        """With models loaded on demand (ModelHost): this model loaded and held until the
+        request ends (ctx.finish), so that it can be resolved and run; None otherwise."""
+        if not isinstance(self.engine, ModelHost):
+            return None
+        try:
+            lease = await self.engine.acquire(self.model_name, keep_alive)
+        except ModelUnavailable as exc:
+            raise as_api_error(exc) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
+        ctx.finalizers.append(lambda _usage: lease.release())
+        return lease
 
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
@@ -137,11 +170,22 @@ class BaseServing:
         ctx.usage = self.usage(num_prompt, 0, 0)
         return resolved
 
+    async def prepare_held(self, ctx: RequestContext, body, prompts: list[list[int]], params: SamplingParams
+                           ) -> ResolvedParams:
+        """prepare(), its model loaded and held first (hold_model); a check with no gate (a
+        batch line's validation) runs nothing, so it lets the model go at once."""
+        lease = await self.hold_model(ctx, body.keep_alive_seconds())
+        try:
+            return self.prepare(ctx, prompts, params, body.param_renames())
+        finally:
+            if lease is not None and ctx.gate is None:
+                lease.release()
+
     def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: ResolvedParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         try:
-            return self.engine.generate(sub_id, ids, params, priority=ctx.priority, cache_salt=cache_salt,
-                                        tenant=ctx.tenant, deadline=ctx.deadline)
+            return self.engine.generate(sub_id, ids, params, model=self.model_name, priority=ctx.priority,
+                                        cache_salt=cache_salt, tenant=ctx.tenant, deadline=ctx.deadline)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
 
@@ -155,7 +199,7 @@ class BaseServing:
     # -- output side --------------------------------------------------------------------
     def record(self, ctx: RequestContext, out: RequestOutput) -> None:
         if out.finished:
-            self.metrics.observe_finished(out)
+            self.metrics.observe_finished(out, self.model_name)
         if ctx.trace is not None:
             ctx.trace.observe(out)
 
@@ -279,6 +323,8 @@ async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield exc.sse()
     except EngineDeadError as exc:
         yield APIError(503, str(exc), code="engine_unavailable").sse()
+    except ModelUnavailable as exc:
+        yield as_api_error(exc).sse()
     except InvalidParameter as exc:
         yield APIError(400, str(exc), param=exc.param).sse()
     yield "data: [DONE]\n\n"
