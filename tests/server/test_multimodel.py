@@ -117,6 +117,35 @@ def complete(client, model: str, **kw) -> str:
     return r.choices[0].text
 
 
+def test_keep_alive_values_as_ollama_takes_them():
+    from tokenmill.server.limits import parse_keep_alive
+
+    assert [parse_keep_alive(v) for v in (0, 30, 2.5, "90", "5m", "1h30m", "250ms")] == [0, 30, 2.5, 90, 300, 5400,
+                                                                                      0.25]
+    assert parse_keep_alive(-1) == parse_keep_alive("-1") == parse_keep_alive("-5m") == float("inf")
+    for bad in ("soon", "", "5d", True, None, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            parse_keep_alive(bad)
+
+
+def test_models_dir_serves_its_gguf_files_and_folders(tmp_path, embedded_path):
+    from tokenmill.server.options import ServeOptions
+
+    folder = tmp_path / "b-folder"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "empty").mkdir()
+    paths = [c.model.path for c in ServeOptions(models_dir=str(tmp_path)).engine_configs()]
+    assert paths == [str(tmp_path / "a.gguf"), str(folder)]
+    paths = [c.model.path for c in ServeOptions(model=[str(folder), embedded_path],
+                                                models_dir=str(tmp_path)).engine_configs()]
+    assert paths == [str(folder), embedded_path, str(tmp_path / "a.gguf")]  # each once, the --model ones first
+    with pytest.raises(ValueError, match="holds no model"):
+        ServeOptions(models_dir=str(tmp_path / "empty")).engine_configs()
+
+
 def test_lazy_start_and_each_model_answers_by_name(server, client, tiny):
     listed = [m.id for m in client.models.list().data]
     assert listed == [MODEL, TINY, BROKEN]  # the first --model is the default, first
