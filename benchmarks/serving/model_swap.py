@@ -62,7 +62,11 @@ def make_partner(folder: str, quick: bool) -> None:
         model = transformers.LlamaForCausalLM(cfg)
     else:
         d, f = os.path.split(default_model_path())
-        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        src = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        # a model transformers read from a GGUF will not save itself: the same weights in a fresh one
+        cfg = {k: v for k, v in src.config.to_dict().items() if k != "quantization_config"}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+        model.load_state_dict(src.state_dict())
     model.save_pretrained(folder, safe_serialization=True)
     save_tokenizer(folder)
 
@@ -96,7 +100,7 @@ def group_rss(pid: int) -> int:
 
 
 def estimate(path: str) -> int:
-    from tokenmill.engine.models import weights_bytes
+    from tokenmill.engine.model_memory import weights_bytes
 
     return weights_bytes(path) + int(KV_GB * 1024 ** 3)
 

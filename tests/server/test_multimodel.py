@@ -56,7 +56,7 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def estimate(path: str) -> int:
-    from tokenmill.engine.models import weights_bytes
+    from tokenmill.engine.model_memory import weights_bytes
 
     return weights_bytes(path) + int(KV_GB * 1024 ** 3)
 
@@ -150,12 +150,10 @@ def test_lazy_start_and_each_model_answers_by_name(server, client, tiny):
     listed = [m.id for m in client.models.list().data]
     assert listed == [MODEL, TINY, BROKEN]  # the first --model is the default, first
     assert {s["state"] for s in states(server).values()} == {"available"}  # nothing loads before its request
-    folder, ref = tiny
-    want = ref_text = None
-    want = greedy(ref, PROMPT, 8)
     from tokenmill.model.metadata import load_model_info
 
-    ref_text = load_model_info(folder).tokenizer.decode(want, skip_special_tokens=False)
+    folder, ref = tiny
+    ref_text = load_model_info(folder).tokenizer.decode(greedy(ref, PROMPT, 8), skip_special_tokens=False)
     assert complete(client, TINY) == ref_text  # the tiny model, as transformers runs it on the same weights
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital "
                                                                                                "of France?"}],

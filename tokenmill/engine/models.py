@@ -34,18 +34,17 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.api import EngineClient, ModelUnavailable, ServedModel, UnknownModel, check_knobs
+from tokenmill.engine.model_memory import GiB, default_budget_bytes, default_kv_cache_gb, rss_bytes, weights_bytes
 from tokenmill.engine.types import EngineDeadError, EngineStats, Priority, RequestOutput, ResolvedParams
 
 log = logging.getLogger("tokenmill.engine")
 
-GiB = 1024 ** 3
 AVAILABLE, LOADING, LOADED, UNLOADING = "available", "loading", "loaded", "unloading"
 REAP_S = 0.5  # how often idle models are checked against their keep_alive
 # EngineStats fields that are gauges of a running engine (the rest are counters, summed
@@ -53,49 +52,6 @@ REAP_S = 0.5  # how often idle models are checked against their keep_alive
 _GAUGES = {"num_running", "num_waiting", "num_waiting_interactive", "num_waiting_batch", "oldest_waiting_s",
            "kv_blocks_used", "kv_blocks_total", "kv_pinned_blocks", "kv_disk_used_bytes", "kv_disk_capacity_bytes",
            "kv_disk_files"}
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable (what can be allocated without swapping), torch-free."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def default_budget_bytes() -> int:
-    """80% of the memory available when the server starts."""
-    return int(0.8 * available_memory_bytes())
-
-
-def default_kv_cache_gb() -> float:
-    """The single-model default (a quarter of available memory, at most 2 GiB), fixed
-    once so that every model's estimate is what its engine allocates."""
-    return min(2.0, 0.25 * available_memory_bytes() / GiB)
-
-
-def weights_bytes(path: str) -> int:
-    """The model's weight files on disk: a GGUF's size, or a folder's *.safetensors."""
-    if os.path.isdir(path):
-        return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".safetensors") and e.is_file())
-    return os.path.getsize(path)
-
-
-def rss_bytes(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 @dataclass
@@ -393,12 +349,12 @@ class ModelRouter:
 
     async def _unload(self, m: _Model) -> None:
         """Under the lock, with no request holding it."""
-        m.state = UNLOADING
-        final = m.engine.stats()
-        await self._stop_engine(m)
+        final = m.engine.stats()  # idle: its counters are final (kept before it leaves, so none dips)
         for f in dataclasses.fields(EngineStats):
             if f.name not in _GAUGES:
                 setattr(m.retired, f.name, getattr(m.retired, f.name) + getattr(final, f.name))
+        m.state = UNLOADING
+        await self._stop_engine(m)
         m.state = AVAILABLE
         self._changed.set()
         log.info("unloaded %s", m.name)
