@@ -332,6 +332,9 @@ class ModelHost(Protocol):
     (engine/models.py's `ModelRouter`). The server holds a lease on a request's model
     from before it resolves the request (which needs the model's limits) until the
     request ends."""
+    budget: int  # bytes of memory the resident models' weights and KV caches may take
+
+    def model_names(self) -> list[str]: ...
 
     async def acquire(self, model: str | None, keep_alive: float | None = None) -> ModelLease:
         """The model loaded (waiting for it if it is loading; loading it if not) and held.
