@@ -256,20 +256,21 @@ def test_operator_load_unload_and_metrics(server):
 
 
 @pytest.mark.slow
-def test_load_and_unload_need_an_admin_key(tiny, tmp_path):
+def test_preload_and_load_and_unload_need_an_admin_key(tiny, tmp_path):
     db = tmp_path / "keys.db"
     user, admin = add_key(db, "acme"), add_key(db, "ops", "--admin")
     folder, _ = tiny
     srv = ServerProcess("--model", folder, "--models-dir", os.path.dirname(folder), "--keys-db", str(db),
-                        "--kv-cache-gb", str(KV_GB)).wait_ready()
+                        "--kv-cache-gb", str(KV_GB), "--preload").wait_ready()
     try:
-        assert [m["id"] for m in httpx.get(srv.url + "/v1/models", headers={"authorization": f"Bearer {user}"},
-                                           timeout=10).json()["data"]] == [TINY]  # --models-dir adds no twin
-        url = f"{srv.url}/v1/models/{TINY}/load"
+        rows = httpx.get(srv.url + "/v1/models", headers={"authorization": f"Bearer {user}"}, timeout=10).json()
+        assert [m["id"] for m in rows["data"]] == [TINY]  # --models-dir adds no twin of a --model
+        assert rows["data"][0]["state"] == "loaded"  # --preload: loaded before the first request
+        url = f"{srv.url}/v1/models/{TINY}/unload"
         assert httpx.post(url, timeout=30).status_code == 401
         r = httpx.post(url, headers={"authorization": f"Bearer {user}"}, timeout=30)
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
         r = httpx.post(url, headers={"authorization": f"Bearer {admin}"}, timeout=60)
-        assert r.status_code == 200 and r.json()["state"] == "loaded"
+        assert r.status_code == 200 and r.json()["state"] == "available"
     finally:
         srv.stop()
