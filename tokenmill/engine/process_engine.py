@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +75,7 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
         engine = LLMEngine(load_model(m.path, m.dtype, m.quantization), config)
     except BaseException as exc:
         out_q.put(("failed", repr(exc)))
-        return
+        _leave(out_q, 1)
     out_q.put(("ready", engine.limits, engine.stats()))
     try:
         while True:
@@ -96,6 +97,20 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
         out_q.put(("failed", repr(exc)))
     finally:
         engine.close()  # flush the disk tier's writes
+        _leave(out_q, 0)
+
+
+def _leave(out_q: Any, code: int) -> None:
+    """Exit without the interpreter's teardown: a spawned child otherwise spends ~0.5 s
+    (more on a busy machine) taking torch's modules and tensors apart, memory the kernel
+    frees at once, and a model swap (engine/models.py) waits for it. The queue's last
+    messages are flushed first."""
+    out_q.close()
+    out_q.join_thread()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass
