@@ -104,6 +104,7 @@ class BaseServing:
         self.model_name = model_name
         self.metrics = metrics
         self.siblings: dict[str, BaseServing] = {model_name: self}  # one per model the engine serves
+        self._host = engine if isinstance(engine, ModelHost) else None  # models loaded on demand
         self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
 
     # -- request side -------------------------------------------------------------------
@@ -122,10 +123,10 @@ class BaseServing:
     async def hold_model(self, ctx: RequestContext, keep_alive: float | None):
         """With models loaded on demand (ModelHost): this model loaded and held until the
         request ends (ctx.finish), so that it can be resolved and run; None otherwise."""
-        if not isinstance(self.engine, ModelHost):
+        if self._host is None:
             return None
         try:
-            lease = await self.engine.acquire(self.model_name, keep_alive)
+            lease = await self._host.acquire(self.model_name, keep_alive)
         except ModelUnavailable as exc:
             raise as_api_error(exc) from None
         except EngineDeadError as exc:
