@@ -40,6 +40,7 @@ QUICK = {
     "serving.cluster_routing": rf"\| `tokenmill serve` \(2 threads\) \| {NUM} \| {NUM} \|",
     "serving.cluster_sim": rf"\| 2 \| affinity \| {NUM} \|",
     "serving.batch_interference": r"aims: p99 TTFT ratio",
+    "serving.model_swap": rf"both resident: {NUM} MiB against {NUM} MiB",
 }
 
 

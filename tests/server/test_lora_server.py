@@ -62,7 +62,7 @@ def test_adapters_answer_by_name_and_are_listed(served):
     base, tuned = _answer(client, MODEL), _answer(client, "a1")
     assert base[0] == MODEL and tuned[0] == "a1" and base[1] != tuned[1]
     assert _answer(client, "a1") == tuned  # greedy: the same answer again (now from the prefix cache)
-    assert metric(served, 'tokenmill_model_tokens_total{kind="output",model="a1"}') >= 24
+    assert metric(served, 'tokenmill_model_generation_tokens_total{model="a1"}') >= 24
 
 
 def test_load_and_unload_while_another_request_streams(served, adapters):

@@ -58,6 +58,12 @@ def test_frozen_and_keyword_only():
     ({"replicas": "auto", "min_replicas": 3, "max_replicas": 2}, "--replicas auto needs 1 <= --min-replicas"),
     ({"replicas": "auto", "target_ongoing": 0.0}, "a positive --target-ongoing"),
     ({"imbalance": -1}, "--imbalance must be 0 or more"),
+    ({"model": ["a.gguf", "b.gguf"], "cluster": True}, "cluster serve runs one model"),
+    ({"models_dir": "/m", "engine_mode": "thread"}, "several models run each in its own engine process"),
+    ({"model": ["a.gguf", "b.gguf"], "served_model_name": "x"}, "--served-model-name names one model"),
+    ({"keep_alive": "soon"}, "--keep-alive: keep_alive must be a number of seconds or a duration"),
+    ({"memory_budget": 0.0}, "--memory-budget must be a positive number of GB"),
+    ({"model_queue": 0}, "--model-queue must be at least 1"),
     # the engine config's own checks, made when the options are
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, int8"),
     ({"decode_steps": 0}, "decode_steps must be positive"),
@@ -94,7 +100,8 @@ def test_both_commands_take_their_flags_from_the_fields():
     assert list(cluster) == [f.name for f in cli_fields("cluster")]
     shared = set(serve) & set(cluster)
     assert set(serve) - shared == {"engine_mode", "slo_ttft_ms", "slo_itl_ms", "slo_percentile",
-                                   "autotune_interval", "autotune_hold", "lora", "max_loras", "max_lora_rank"}
+                                   "autotune_interval", "autotune_hold", "lora", "max_loras", "max_lora_rank",
+                                   "models_dir", "preload", "memory_budget", "keep_alive", "model_queue"}
     assert set(cluster) - shared == {"replicas", "min_replicas", "max_replicas", "target_ongoing",
                                      "scale_down_delay", "routing", "imbalance", "address"}
     for name in shared:  # one definition: same flags, default and help in both

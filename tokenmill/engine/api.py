@@ -35,10 +35,10 @@ if TYPE_CHECKING:
 __all__ = [
     "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EmbeddingSpec", "EngineBusy",
     "EngineClient", "EngineConfig", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults",
-    "InvalidParameter", "ModelOptions", "POOLINGS", "Priority", "RequestBounds", "RequestLimits", "RequestOutput",
-    "RequestTimes", "ResolvedParams", "SamplingParams", "SchedulerConfig", "ServedModel", "Snapshot",
-    "SnapshotMismatch", "SpeculativeConfig", "StructuredOutput", "TokenLogprob", "TUNABLE", "UnknownModel",
-    "check_knobs", "split_snapshot_id", "text_digest",
+    "InvalidParameter", "ModelHost", "ModelLease", "ModelOptions", "ModelUnavailable", "POOLINGS", "Priority",
+    "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
+    "SchedulerConfig", "ServedModel", "Snapshot", "SnapshotMismatch", "SpeculativeConfig", "StructuredOutput",
+    "TokenLogprob", "TUNABLE", "UnknownModel", "check_knobs", "split_snapshot_id", "text_digest",
 ]
 
 
@@ -258,6 +258,18 @@ class UnknownModel(LookupError):
         self.name = name
 
 
+class ModelUnavailable(RuntimeError):
+    """A model that exists could not be made ready for a request: its load failed, it does
+    not fit the memory budget, or too many requests already wait for it. `code` names
+    which (model_load_failed, model_too_large, model_queue_full); `retry_after` (seconds)
+    is set when trying again later may succeed."""
+
+    def __init__(self, message: str, code: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.code = code
+        self.retry_after = retry_after
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """One model an engine client serves, under the name requests give: what the server
@@ -345,6 +357,43 @@ class EngineClient(Protocol):
         """Change scheduling knobs while serving (TUNABLE: max_num_seqs,
         max_num_batched_tokens, decode_steps), from the next step on; kept across an
         engine restart. Raises ValueError for an unknown knob or a value below 1."""
+        ...
+
+
+class ModelLease(Protocol):
+    """A hold on a loaded model: it is not unloaded until every lease is released."""
+
+    def release(self) -> None:
+        """Give the hold back (idempotent); the model's keep_alive runs from the last one."""
+        ...
+
+
+@runtime_checkable
+class ModelHost(Protocol):
+    """An engine client whose models load on demand and leave memory again
+    (engine/models.py's `ModelRouter`). The server holds a lease on a request's model
+    from before it resolves the request (which needs the model's limits) until the
+    request ends."""
+    budget: int  # bytes of memory the resident models' weights and KV caches may take
+
+    def model_names(self) -> list[str]: ...
+
+    async def acquire(self, model: str | None, keep_alive: float | None = None) -> ModelLease:
+        """The model loaded (waiting for it if it is loading; loading it if not) and held.
+        `keep_alive`: seconds it stays loaded once idle (None: the server's default;
+        math.inf: until unloaded by hand; 0: unloaded when this request ends). Raises
+        UnknownModel, or ModelUnavailable when it cannot be made ready."""
+        ...
+
+    async def load(self, model: str, keep_alive: float | None = None) -> None: ...
+
+    async def unload(self, model: str) -> None:
+        """Unload as soon as no request holds it (now, if none does)."""
+        ...
+
+    def model_states(self) -> list[dict]:
+        """Per model, default first: id, state (loaded, loading, unloading, available),
+        memory, keep_alive, loads and the last load error."""
         ...
 
 

@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -82,7 +83,7 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
         engine = build_core(config)
     except BaseException as exc:
         out_q.put(("failed", repr(exc)))
-        return
+        _leave(out_q, 1)
     out_q.put(("ready", engine.limits, engine.stats()))
     try:
         while True:
@@ -104,6 +105,20 @@ def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, par
         out_q.put(("failed", repr(exc)))
     finally:
         engine.close()  # flush the disk tier's writes
+        _leave(out_q, 0)
+
+
+def _leave(out_q: Any, code: int) -> None:
+    """Exit without the interpreter's teardown: a spawned child otherwise spends ~0.5 s
+    (more on a busy machine) taking torch's modules and tensors apart, memory the kernel
+    frees at once, and a model swap (engine/models.py) waits for it. The queue's last
+    messages are flushed first."""
+    out_q.close()
+    out_q.join_thread()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass
@@ -117,7 +132,7 @@ class _Child:
 
 
 class ProcessEngine(EngineFront):
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, launch_early: bool = True):
         self.config = config
         self._ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP threads
         self._child: _Child | None = None
@@ -126,8 +141,10 @@ class ProcessEngine(EngineFront):
         # the metadata and builds the tokenizer (up to a second for a 150K vocabulary): a
         # start costs the longer of the two, not their sum. Only from the main thread,
         # whose exit is this process's (the kernel's parent-death signal follows the
-        # thread that forked); elsewhere the child starts in start().
-        early = self._launch() if threading.current_thread() is threading.main_thread() else None
+        # thread that forked); elsewhere, or for a model loaded on demand
+        # (`launch_early=False`: engine/models.py), the child starts in start().
+        main = threading.current_thread() is threading.main_thread()
+        early = self._launch() if launch_early and main else None
         try:
             info = load_model_info(config.model.path)
             defaults = generation_defaults(info.generation, config.model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -17,20 +18,20 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.batch.runner import BatchLimits
-from tokenmill.engine.api import EngineClient, text_digest
+from tokenmill.engine.api import EngineClient, ModelHost, ModelUnavailable, UnknownModel, text_digest
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
 from tokenmill.server.dialects import add_dialect_routes
 from tokenmill.server.dialects.embeddings import model_capabilities
-from tokenmill.server.errors import APIError, install_error_handlers
+from tokenmill.server.errors import APIError, as_api_error, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
 from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
+from tokenmill.server.limits import ServerTokens, parse_keep_alive
 from tokenmill.server.lora_routes import add_lora_routes
-from tokenmill.server.limits import ServerTokens
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.middleware import Frontdoor, ServerState, bounded_route
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.server.serving import RequestContext, new_id
+from tokenmill.server.serving import BaseServing, RequestContext, new_id
 from tokenmill.server.reasoning import ChatReasoning
 from tokenmill.server.serving_chat import ServingChat
 from tokenmill.server.serving_completion import ServingCompletion
@@ -104,7 +105,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         raise ValueError("the server needs a model with a tokenizer")
     state = ServerState()
     # a cluster engine (tokenmill.cluster) also reports its replicas and routing
-    metrics = Metrics(engine.stats, engine.replica_stats, getattr(engine, "router_decisions", None))
+    host = engine if isinstance(engine, ModelHost) else None  # several models, loaded on demand
+    metrics = Metrics(engine.stats, engine.replica_stats, getattr(engine, "router_decisions", None),
+                      host.model_states if host is not None else None)
 
     def processed() -> int:  # tokens the engine has computed and generated
         s = engine.stats()
@@ -124,18 +127,16 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     if autotune is not None:
         tuner = Autotuner(autotune.slo, engine, gate, telemetry.stats, metrics, autotune.ceiling,
                           interval_s=autotune.interval_s, hold_s=autotune.hold_s)
-    tokenizer = engine.served().tokenizer
-    if config.chat_template is not None:
-        tokenizer = tokenizer.with_chat_template(config.chat_template)
-    chat = ServingChat(engine, tokenizer, model_name, metrics)
-    chat.reasoning = ChatReasoning.choose(config.reasoning_parser, tokenizer)
-    completion = ServingCompletion(engine, tokenizer, model_name, metrics)
+    chat, completion = _servings(engine, config, metrics)
+    tokenizer = chat.tokenizer
     snapshot = engine.served().snapshot
     if snapshot is not None and config.chat_template is not None:  # the template this server renders
         snapshot = snapshot.replace(chat_template=text_digest(config.chat_template))
     aliases = {a.name: a for a in config.aliases}
-    for serving in (chat, completion):
-        serving.snapshot, serving.aliases = snapshot, aliases
+    for family in (chat.siblings, completion.siblings):
+        for name, serving in family.items():
+            serving.snapshot = snapshot if name == model_name else engine.served(name).snapshot
+            serving.aliases = aliases
     capture = policy.capture
 
     runner = None
@@ -233,23 +234,34 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
 
     add_lora_routes(app, engine, open_server=policy.keys is None)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    def model_rows() -> list[dict]:
+        states = {m["id"]: m for m in host.model_states()} if host is not None else {}
         data = []
         for name in engine.model_names():
             m = engine.served(name)  # per model: tokenizer, limits, generation defaults
-            data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
-                         "parent": m.parent,  # a LoRA adapter's base model
-                         "max_model_len": m.max_model_len,
-                         # what a request that says nothing gets (the model's own, then the server's)
-                         "generation_defaults": m.defaults.as_dict(),
-                         # pin it by requesting this id (tokenmill models show NAME prints the manifest)
-                         "snapshot": (snapshot if name == model_name else m.snapshot).id
-                         if m.snapshot is not None else None,
-                         # generation or embeddings, and how embeddings and rerank are made
-                         **model_capabilities(m.embedding)})
-        data += [a.as_dict() for a in aliases.values()]
-        return {"object": "list", "data": data}
+            row = {"id": name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
+                   "parent": m.parent}  # a LoRA adapter's base model
+            if name in states:  # loaded, loading, unloading or available; its memory
+                row.update(states[name])
+            else:
+                row.update(max_model_len=m.max_model_len, state="loaded" if engine.running else "loading")
+            # what a request that says nothing gets (the model's own, then the server's)
+            row["generation_defaults"] = m.defaults.as_dict()
+            # pin it by requesting this id (tokenmill models show NAME prints the manifest)
+            row["snapshot"] = (snapshot if name == model_name else m.snapshot).id if m.snapshot is not None else None
+            row.update(model_capabilities(m.embedding))  # generation or embeddings, how rerank is made
+            data.append(row)
+        return data
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        out: dict = {"object": "list", "data": model_rows() + [a.as_dict() for a in aliases.values()]}
+        if host is not None:
+            out["memory_budget_bytes"] = host.budget
+        return out
+
+    if host is not None:
+        add_model_routes(app, host, policy.keys is not None, model_rows)
 
     @app.get("/health")
     async def health() -> Response:
@@ -312,6 +324,72 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
                        upload_bytes=policy.batch.max_file_bytes + (1 << 20) if runner is not None else None)
     add_dialect_routes(app, engine, chat, gate, serve, getattr(policy.batch_store, "root", None))
     return app
+
+
+def _servings(engine: EngineClient, config: ServerConfig, metrics: Metrics) -> tuple[ServingChat, ServingCompletion]:
+    """The default model's chat and completion serving objects, each knowing its siblings:
+    one per model the engine serves, with that model's tokenizer and chat template (the
+    --chat-template file replaces the default model's)."""
+    chats: dict[str, BaseServing] = {}
+    completions: dict[str, BaseServing] = {}
+    for i, name in enumerate(engine.model_names()):
+        tokenizer = engine.served(name).tokenizer
+        if tokenizer is None:
+            raise ValueError(f"the server needs a model with a tokenizer; {name!r} has none")
+        if i == 0 and config.chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(config.chat_template)
+        chat = chats[name] = ServingChat(engine, tokenizer, name, metrics)
+        chat.reasoning = ChatReasoning.choose(config.reasoning_parser, tokenizer)
+        completions[name] = ServingCompletion(engine, tokenizer, name, metrics)
+    for family in (chats, completions):
+        for serving in family.values():
+            serving.siblings = family
+    default = engine.model_names()[0]
+    return chats[default], completions[default]
+
+
+def add_model_routes(app: FastAPI, host: ModelHost, keys_on: bool, rows) -> None:
+    """POST /v1/models/{id}/load and /unload: an operator's (an admin key's, when keys are on)."""
+
+    def check(raw: Request, model: str) -> None:
+        tenant: Tenant = raw.scope["state"]["tenant"]
+        if keys_on and not tenant.admin:
+            raise APIError(403, "loading and unloading models needs an admin key (tokenmill keys add NAME --admin)",
+                           code="permission_denied")
+        if model not in host.model_names():
+            raise APIError(404, str(UnknownModel(model, host.model_names())), param="model",
+                           code="model_not_found")
+
+    def row(model: str) -> dict:
+        return next(r for r in rows() if r["id"] == model)
+
+    @app.post("/v1/models/{model:path}/load")
+    async def load_model(model: str, raw: Request) -> dict:
+        check(raw, model)
+        keep_alive = None
+        if await raw.body():
+            try:
+                body = json.loads(await raw.body())
+            except ValueError:
+                raise APIError(400, "the request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise APIError(400, "the body must be a JSON object")
+            if body.get("keep_alive") is not None:
+                try:
+                    keep_alive = parse_keep_alive(body["keep_alive"])
+                except ValueError as exc:
+                    raise APIError(400, str(exc), param="keep_alive") from None
+        try:
+            await host.load(model, keep_alive)
+        except ModelUnavailable as exc:
+            raise as_api_error(exc) from None
+        return row(model)
+
+    @app.post("/v1/models/{model:path}/unload")
+    async def unload_model(model: str, raw: Request) -> dict:
+        check(raw, model)
+        await host.unload(model)
+        return row(model)
 
 
 async def drain(app: FastAPI, timeout_s: float) -> None:

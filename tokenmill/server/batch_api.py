@@ -89,7 +89,7 @@ class ServerLineExecutor:
                 raise
             ctx.status_code = err.status
             # the engine was not there (dying or restarting): not the line's fault, run it again
-            retry = isinstance(exc, EngineDeadError) or err.code == "engine_unavailable"
+            retry = isinstance(exc, EngineDeadError) or err.code in ("engine_unavailable", "model_queue_full")
             return LineOutcome(err.status, err.body(), request_id, retry=retry)
         finally:
             ctx.finish()

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.api import AdmissionError, EngineBusy, EngineDeadError, InvalidParameter, UnknownModel
+from tokenmill.engine.api import (AdmissionError, EngineBusy, EngineDeadError, InvalidParameter, ModelUnavailable,
+                                  UnknownModel)
 
 log = logging.getLogger("tokenmill.server")
 
@@ -82,6 +83,9 @@ def as_api_error(exc: Exception) -> APIError | None:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, EngineBusy):
         return APIError(503, str(exc), code="engine_busy", headers={"Retry-After": "1"})
+    if isinstance(exc, ModelUnavailable):
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
+        return APIError(503, str(exc), param="model", code=exc.code, headers=headers)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, (RequestValidationError, ValidationError)):
@@ -96,6 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(EngineBusy)
     @app.exception_handler(UnknownModel)
+    @app.exception_handler(ModelUnavailable)
     @app.exception_handler(RequestValidationError)
     async def _client_error(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()

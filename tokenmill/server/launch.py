@@ -73,8 +73,9 @@ def build_server(options: ServeOptions) -> FastAPI:
     autotune = _autotune(options)
     policy = _policy(options)
     engine = _engine(options)
-    if engine.served().tokenizer is None:
-        raise OptionError("this model has no tokenizer; the server needs one")
+    for name in engine.model_names():
+        if engine.served(name).tokenizer is None:
+            raise OptionError(f"the model {name!r} has no tokenizer; the server needs one")
     config = ServerConfig(host=options.host, port=options.port,
                           shutdown_timeout_s=options.shutdown_timeout, chat_template=template,
                           reasoning_parser=options.reasoning_parser, aliases=_aliases(options, engine))
@@ -207,6 +208,8 @@ def _engine(options: ServeOptions) -> EngineClient:
     from tokenmill.model.config import ModelLoadError
 
     try:
+        if options.several_models:
+            return _models(options)
         config = options.engine_config()
         for name, path in config.lora.adapters:
             if not os.path.exists(path):
@@ -214,6 +217,17 @@ def _engine(options: ServeOptions) -> EngineClient:
         return _cluster_engine(options, config) if options.cluster else make_engine(config, options.engine_mode)
     except (ValueError, ModelLoadError) as exc:
         raise OptionError(str(exc)) from None
+
+
+def _models(options: ServeOptions) -> EngineClient:
+    """Several models: one engine process each, loaded on demand (tokenmill/engine/models.py)."""
+    from tokenmill.engine.factory import make_models
+    from tokenmill.server.limits import parse_keep_alive
+
+    o = options
+    budget = int(o.memory_budget * 1024 ** 3) if o.memory_budget is not None else None
+    return make_models(o.engine_configs(), budget_bytes=budget, keep_alive=parse_keep_alive(o.keep_alive),
+                       max_waiting=o.model_queue, preload=o.preload)
 
 
 def _cluster_engine(options: ServeOptions, config: EngineConfig) -> EngineClient:

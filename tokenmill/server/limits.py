@@ -10,6 +10,7 @@ settled at finish).
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -161,3 +162,36 @@ def format_duration(seconds: float) -> str:
 
 def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: object) -> float:
+    """How long a model stays loaded once idle, as Ollama's keep_alive: seconds as a
+    number, or a duration string ("5m", "1h30m", "90s", "250ms", "-1"); 0 unloads it when
+    its last request ends, any negative value keeps it (returned as math.inf). Raises
+    ValueError naming what it accepts."""
+    if isinstance(value, bool):
+        raise ValueError("keep_alive must be a number of seconds or a duration such as '5m'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+            parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)(ms|h|m|s))+", body) and re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)",
+                                                                                        body)
+            if not parts:
+                raise ValueError(f"keep_alive must be a number of seconds or a duration such as '5m', "
+                                 f"'1h30m' or '-1', got {value!r}") from None
+            seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
+    else:
+        raise ValueError("keep_alive must be a number of seconds or a duration such as '5m'")
+    if not math.isfinite(seconds) and seconds > 0:
+        raise ValueError("keep_alive must be finite (a negative value keeps the model loaded)")
+    if math.isnan(seconds):
+        raise ValueError("keep_alive must be a number")
+    return math.inf if seconds < 0 else seconds

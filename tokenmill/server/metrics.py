@@ -149,9 +149,33 @@ class BulkHistogram:
         yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=total)
 
 
+class _ModelsCollector:
+    """With several models (engine/models.py): each model's state and memory, labelled."""
+
+    def __init__(self, states: Callable[[], list[dict]]):
+        self._states = states
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        loaded = GaugeMetricFamily("tokenmill_model_loaded", "1 while the model is loaded (0.5 loading or "
+                                   "unloading, 0 not in memory).", labels=["model"])
+        memory = GaugeMetricFamily("tokenmill_model_memory_bytes", "The model's estimated weights and KV cache "
+                                   "while it is in memory (0 otherwise).", labels=["model"])
+        rss = GaugeMetricFamily("tokenmill_model_rss_bytes", "Resident memory of the model's engine process.",
+                                labels=["model"])
+        loads = CounterMetricFamily("tokenmill_model_loads", "Times the model was loaded.", labels=["model"])
+        for m in self._states():
+            state = m["state"]
+            loaded.add_metric([m["id"]], 1.0 if state == "loaded" else 0.0 if state == "available" else 0.5)
+            memory.add_metric([m["id"]], 0 if state == "available" else m["memory"]["estimate_bytes"])
+            rss.add_metric([m["id"]], m["memory"]["rss_bytes"] or 0)
+            loads.add_metric([m["id"]], m["loads"])
+        yield from (loaded, memory, rss, loads)
+
+
 class Metrics:
     def __init__(self, stats: Callable[[], EngineStats], replicas: Callable[[], dict] | None = None,
-                 decisions: Callable[[], dict[str, int]] | None = None):
+                 decisions: Callable[[], dict[str, int]] | None = None,
+                 models: Callable[[], list[dict]] | None = None):
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY, registry=r)
@@ -181,8 +205,6 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.responses = Counter("tokenmill_http_responses", "HTTP responses by status code.",
                                  ["status_code"], registry=r)
-        self.model_tokens = Counter("tokenmill_model_tokens", "Prompt and output tokens of finished requests by "
-                                    "the model or LoRA adapter they named.", ["model", "kind"], registry=r)
         self.cost = Counter("tokenmill_cost_usd", "Priced cost of requests in USD.", ["tenant", "model"],
                             registry=r)
         self.alarm_raised = Counter("tokenmill_spend_alarms", "Times a spend alarm was raised, by scope "
@@ -200,11 +222,25 @@ class Metrics:
                                    ["knob"], registry=r)
         self.autotune_changes = Counter("tokenmill_autotune_changes", "Knob changes the SLO autotuner made.",
                                         ["knob", "direction"], registry=r)
+        # per model (one series per served model; the totals above stay unlabelled)
+        self.model_requests = Counter("tokenmill_model_requests", "Finished samples by the model or LoRA adapter they named.", ["model"],
+                                      registry=r)
+        self.model_prompt_tokens = Counter("tokenmill_model_prompt_tokens", "Prompt tokens of finished requests "
+                                           "by model.", ["model"], registry=r)
+        self.model_generation_tokens = Counter("tokenmill_model_generation_tokens", "Output tokens by model.",
+                                               ["model"], registry=r)
         r.register(_EngineCollector(stats, replicas, decisions))
+        if models is not None:
+            r.register(_ModelsCollector(models))
 
     def observe_finished(self, out: RequestOutput, model: str | None = None) -> None:
         """Record one finished sample (the first sample also records its prompt), under
-        the model or adapter the request named."""
+        `model` too when given."""
+        if model is not None:
+            self.model_requests.labels(model=model).inc()
+            self.model_generation_tokens.labels(model=model).inc(out.num_output_tokens)
+            if out.index == 0:
+                self.model_prompt_tokens.labels(model=model).inc(out.num_prompt_tokens)
         t = out.times
         if t is not None:
             if out.index == 0:
@@ -224,10 +260,6 @@ class Metrics:
         self.generation_tokens.inc(out.num_output_tokens)
         self.reasoning_tokens.inc(out.num_reasoning_tokens)
         self.requests.labels(finish_reason=out.finish_reason or "unknown").inc()
-        if model is not None:
-            if out.index == 0:
-                self.model_tokens.labels(model=model, kind="prompt").inc(out.num_prompt_tokens)
-            self.model_tokens.labels(model=model, kind="output").inc(out.num_output_tokens)
 
     def observe_loop_lag(self, lag_s: float) -> None:
         self.loop_lag.set(lag_s)

@@ -19,6 +19,7 @@ from tokenmill.cluster.routing import POLICIES
 from tokenmill.config import (DEFAULT_MAX_TOKENS, CacheConfig, EngineConfig, LoraConfig, ModelOptions,
                               RequestBounds, SchedulerConfig, SpeculativeConfig)
 from tokenmill.engine.factory import ENGINE_MODES
+from tokenmill.server.limits import parse_keep_alive
 
 MODEL_HELP = ("GGUF file, Hugging Face folder, or an installed model's name (tokenmill models list; default: the "
               "embedded SmolLM2-135M-Instruct).")
@@ -62,7 +63,22 @@ def option(default, flags: str, help: str | None = None, only: str | None = None
 
 @dataclass(frozen=True, kw_only=True)
 class ServeOptions:
-    model: str | None = option(None, "--model", MODEL_HELP)
+    model: list[str] | None = option(None, "--model", MODEL_HELP + " Repeat it to serve several models (the "
+                                     "first is the default); each loads on its first request (see --preload).")
+    models_dir: str | None = option(None, "--models-dir", "Serve every model in this folder too (each GGUF file "
+                                                          "and Hugging Face folder in it), loaded on demand.",
+                                    only="serve")
+    preload: bool = option(False, "--preload", "With several models: load them at start (in order, while they fit "
+                                               "the memory budget) instead of on their first request.", only="serve")
+    memory_budget: float | None = option(
+        None, "--memory-budget", "With several models: GB of memory for the weights and KV caches of the loaded "
+                                 "models (default: 80% of the memory available at start); idle models are unloaded "
+                                 "to make room.", only="serve")
+    keep_alive: str = option("5m", "--keep-alive", "With several models: how long an idle model stays loaded "
+                                                   "(seconds or 5m, 1h; 0: unload after each request; -1: never). A "
+                                                   "request's keep_alive field overrides it.", only="serve")
+    model_queue: int = option(64, "--model-queue", "With several models: requests that may wait for one model to "
+                                                   "load; more are refused (503).", only="serve")
     dtype: str | None = option(None, "--dtype", DTYPE_HELP)
     quantization: str | None = option(None, "--quantization", QUANT_HELP)
     host: str = option("127.0.0.1", "--host")
@@ -215,7 +231,11 @@ class ServeOptions:
     cluster: bool = False  # `tokenmill cluster serve`: the engine's replicas on Ray Serve
 
     def __post_init__(self) -> None:
+        # one path, a list of them (repeated --model), or none: kept as a tuple (or None)
+        models = (self.model,) if isinstance(self.model, str) else tuple(self.model or ())
+        object.__setattr__(self, "model", models or None)
         precision(self.dtype, self.quantization)
+        self._check_models()
         if self.log_format not in LOG_FORMATS:
             raise OptionError(f"--log-format must be text or json, got {self.log_format!r}")
         if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://", "https://")):
@@ -243,6 +263,32 @@ class ServeOptions:
         except ValueError as exc:
             raise OptionError(str(exc)) from None
 
+    @property
+    def several_models(self) -> bool:
+        return len(self.model or ()) > 1 or self.models_dir is not None
+
+    def _check_models(self) -> None:
+        try:
+            parse_keep_alive(self.keep_alive)
+        except ValueError as exc:
+            raise OptionError(f"--keep-alive: {exc}") from None
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise OptionError("--memory-budget must be a positive number of GB")
+        if self.model_queue < 1:
+            raise OptionError("--model-queue must be at least 1")
+        if not self.several_models:
+            return
+        if self.cluster:
+            raise OptionError("cluster serve runs one model (every replica holds it, for prefix-affinity routing); "
+                              "serve several models with `tokenmill serve --model A --model B`")
+        if self.engine_mode != "process":
+            raise OptionError("several models run each in its own engine process: drop --engine thread")
+        if self.served_model_name is not None:
+            raise OptionError("--served-model-name names one model; with several, each is served under its own name")
+        if self.lora or self.max_loras:
+            raise OptionError("LoRA adapters (--lora, --max-loras) are served beside one model: not built with "
+                              "several models yet")
+
     def _check_cluster(self) -> None:
         if self.routing not in POLICIES:
             raise OptionError(f"--routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
@@ -261,10 +307,35 @@ class ServeOptions:
         """A fixed number of replicas, or None under --replicas auto."""
         return None if self.replicas == "auto" else int(self.replicas)
 
+    def engine_configs(self) -> list[EngineConfig]:
+        """One engine config per model to serve: each --model in order, then the entries of
+        --models-dir (GGUF files and folders with a config.json), sorted by name. Raises
+        ModelLoadError for a --model that is not installed, ValueError for a bad folder."""
+        import os
+
+        paths: list[str | None] = list(self.model or ())
+        if self.models_dir is not None:
+            if not os.path.isdir(self.models_dir):
+                raise ValueError(f"--models-dir: {self.models_dir} is not a folder")
+            found = [e.path for e in sorted(os.scandir(self.models_dir), key=lambda e: e.name)
+                     if (e.is_file() and e.name.endswith(".gguf"))
+                     or (e.is_dir() and os.path.isfile(os.path.join(e.path, "config.json")))]
+            if not found and not paths:
+                raise ValueError(f"--models-dir: {self.models_dir} holds no model (GGUF files or folders with "
+                                 "a config.json)")
+            given = {os.path.realpath(p) for p in paths if p is not None and os.path.exists(p)}
+            paths += [p for p in found if os.path.realpath(p) not in given]
+        from tokenmill.model.registry import resolve as resolve_model
+
+        base = self.engine_config(resolve=False)
+        return [dataclasses.replace(base, model=dataclasses.replace(base.model, path=resolve_model(p)))
+                for p in paths or [None]]
+
     def engine_config(self, resolve: bool = True) -> EngineConfig:
-        """The engine's config. `resolve`: a known model's name becomes its installed file
-        (tokenmill/model/registry.py; raises ModelLoadError when it is not installed)."""
-        path = self.model
+        """The engine's config (the first model's). `resolve`: a known model's name becomes
+        its installed file (tokenmill/model/registry.py; raises ModelLoadError when it is
+        not installed)."""
+        path = self.model[0] if self.model else None
         if resolve:
             from tokenmill.model.registry import resolve as resolve_model
 

@@ -18,6 +18,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Str
 
 from tokenmill.engine.api import CACHE_TTLS, InvalidParameter, RequestBounds, SamplingParams, StructuredOutput
 from tokenmill.server import tools as tool_calls
+from tokenmill.server.limits import parse_keep_alive
 from tokenmill.server.strict import strict_schema
 
 
@@ -135,6 +136,17 @@ class _SamplingFields(_Body):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # Ollama's: how long the model stays loaded once idle after this request, with several
+    # models (seconds, or a duration such as "5m"; 0 unloads it then, -1 keeps it loaded)
+    keep_alive: Union[StrictInt, StrictFloat, StrictStr, None] = None
+
+    def keep_alive_seconds(self) -> float | None:
+        if self.keep_alive is None:
+            return None
+        try:
+            return parse_keep_alive(self.keep_alive)
+        except ValueError as exc:
+            raise InvalidParameter("keep_alive", str(exc)) from None
 
     def structured(self) -> tuple[StructuredOutput | None, str]:
         """The one output constraint the body asks for, and the field that asked for it

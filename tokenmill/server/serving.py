@@ -8,6 +8,7 @@ SSE chunks. A client that goes away aborts its request in the engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -19,10 +20,10 @@ from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.api import (CACHE_TTLS, AdmissionError, EngineClient, EngineDeadError, InvalidParameter,
-                                  Priority, RequestOutput, ResolvedParams, SamplingParams, Snapshot, SnapshotMismatch,
-                                  UnknownModel, split_snapshot_id)
+                                  ModelHost, ModelUnavailable, Priority, RequestOutput, ResolvedParams, SamplingParams,
+                                  Snapshot, SnapshotMismatch, UnknownModel, split_snapshot_id)
 from tokenmill.model.tokenizer import Tokenizer
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, as_api_error
 from tokenmill.server.metrics import Metrics
 
 
@@ -87,6 +88,17 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def per_model(method):
+    """Run a serving entry point (its first argument: a body naming a model) on the
+    serving object of that model: each model has its own tokenizer, name and template."""
+    @functools.wraps(method)
+    async def run(self, body, *args, **kwargs):
+        own = self.for_model(body.model)
+        return await method(own, body, *args, **kwargs)
+
+    return run
+
+
 class BaseServing:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
         self.engine = engine
@@ -97,17 +109,20 @@ class BaseServing:
         # the engine's snapshot, with the server's own chat template when it has one (build_app)
         self.snapshot: Snapshot | None = engine.served(model_name).snapshot
         self.aliases: dict[str, Any] = {}  # name -> tokenmill.server.aliases.ModelAlias
+        self.siblings: dict[str, BaseServing] = {model_name: self}  # one per model the engine serves
+        self._host = engine if isinstance(engine, ModelHost) else None  # models loaded on demand
         self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
 
     # -- request side -------------------------------------------------------------------
-    def check_model(self, model: str, ctx: RequestContext | None = None) -> None:
+    def check_model(self, model: str | None, ctx: RequestContext | None = None) -> str:
         """The engine client says which names it serves (the one namespace of models and
-        LoRA adapters); an alias stands for its target; a pinned snapshot id must name the
-        snapshot served; a key limited to some names gets the same 404 for the others.
-        With `ctx`, the request runs on that model or adapter from here on."""
-        alias = self.aliases.get(model)
+        LoRA adapters): the name it serves `model` under. An alias stands for its target;
+        a pinned snapshot id must name the snapshot served; a key limited to some names
+        gets the same 404 for the others. With `ctx`, the request runs on that model or
+        adapter from here on."""
+        alias = self.aliases.get(model) if model is not None else None
         target = alias.target if alias is not None else model
-        name, pin = split_snapshot_id(target)
+        name, pin = split_snapshot_id(target) if target is not None else (None, None)
         allowed = getattr(ctx.limits, "allowed_models", None) if ctx is not None else None
         try:
             if allowed is not None and model not in allowed and name not in allowed:
@@ -116,9 +131,9 @@ class BaseServing:
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
         if ctx is not None:
-            ctx.model = name
+            ctx.model = served.name
         if pin is None:
-            return
+            return served.name
         snapshot = self.snapshot if name == self.model_name else served.snapshot
         try:
             if snapshot is None:
@@ -126,6 +141,7 @@ class BaseServing:
             snapshot.check(target)
         except SnapshotMismatch as exc:
             raise APIError(409, str(exc), param="model", code="snapshot_mismatch") from None
+        return served.name
 
     def answered_by(self, ctx: RequestContext) -> str:
         """The name a response reports: the model or adapter the request named."""
@@ -141,6 +157,24 @@ class BaseServing:
         if spec is not None and not spec.generates:
             raise APIError(400, f"{self.model_name} is an embedding model: it serves /v1/embeddings and "
                                 "/v1/rerank, not text generation", param="model", code="model_not_supported")
+
+    def for_model(self, model: str | None):
+        """The serving object of `model` (404 for a name not served)."""
+        return self.siblings.get(self.check_model(model), self)
+
+    async def hold_model(self, ctx: RequestContext, keep_alive: float | None):
+        """With models loaded on demand (ModelHost): this model loaded and held until the
+        request ends (ctx.finish), so that it can be resolved and run; None otherwise."""
+        if self._host is None:
+            return None
+        try:
+            lease = await self._host.acquire(self.model_name, keep_alive)
+        except ModelUnavailable as exc:
+            raise as_api_error(exc) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
+        ctx.finalizers.append(lambda _usage: lease.release())
+        return lease
 
     async def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Tokenize off the event loop: a long prompt takes a while, and other streams and
@@ -185,12 +219,23 @@ class BaseServing:
         ctx.usage = self.usage(num_prompt, 0, 0)
         return resolved
 
+    async def prepare_held(self, ctx: RequestContext, body, prompts: list[list[int]], params: SamplingParams
+                           ) -> ResolvedParams:
+        """prepare(), its model loaded and held first (hold_model); a check with no gate (a
+        batch line's validation) runs nothing, so it lets the model go at once."""
+        lease = await self.hold_model(ctx, body.keep_alive_seconds())
+        try:
+            return self.prepare(ctx, prompts, params, body.param_renames())
+        finally:
+            if lease is not None and ctx.gate is None:
+                lease.release()
+
     def generate(self, ctx: RequestContext, sub_id: str, ids: list[int], params: ResolvedParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if ctx.capture is not None:
             ctx.capture.prompt(sub_id, ids)
         try:
-            return self.engine.generate(sub_id, ids, params, model=ctx.model, priority=ctx.priority,
+            return self.engine.generate(sub_id, ids, params, model=ctx.model or self.model_name, priority=ctx.priority,
                                         cache_salt=cache_salt, tenant=ctx.tenant, deadline=ctx.deadline)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
@@ -331,6 +376,8 @@ async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield exc.sse()
     except EngineDeadError as exc:
         yield APIError(503, str(exc), code="engine_unavailable").sse()
+    except ModelUnavailable as exc:
+        yield as_api_error(exc).sse()
     except InvalidParameter as exc:
         yield APIError(400, str(exc), param=exc.param).sse()
     yield "data: [DONE]\n\n"

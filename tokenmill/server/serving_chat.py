@@ -16,7 +16,7 @@ from tokenmill.server.errors import APIError
 from tokenmill.server import reasoning as thinking
 from tokenmill.server import tools as tool_calls
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.serving import (BaseServing, RequestContext, SpecTally, json_response, now,
+from tokenmill.server.serving import (BaseServing, RequestContext, SpecTally, json_response, now, per_model,
                                       run_until_disconnected, sse, sse_with_errors, streaming_response)
 
 
@@ -24,11 +24,13 @@ class ServingChat(BaseServing):
     _tag_tokens: bool | None = None  # tools.tags_are_tokens of this tokenizer, found on first use
     reasoning: thinking.ChatReasoning | None = None  # the reasoning parser (server/reasoning.py), if any
 
+    @per_model
     async def create(self, body: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         if not body.stream:
             return json_response(await run_until_disconnected(raw, self.complete(body, ctx)))
         return streaming_response(sse_with_errors(_as_sse(await self.open_stream(body, ctx))))
 
+    @per_model
     async def open_stream(self, body: ChatCompletionRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Checked, admitted and started: the answer's chunks as dicts (what a dialect
         translates; a failure from here on is raised while they are read)."""
@@ -37,10 +39,12 @@ class ServingChat(BaseServing):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return self.chunks(body, ctx, stream, len(ids), include_usage)
 
+    @per_model
     async def complete(self, body: ChatCompletionRequest, ctx: RequestContext) -> dict[str, Any]:
         """The whole answer as one JSON body (what a batch line gets, too)."""
         return await (await self.begin(body, ctx))
 
+    @per_model
     async def begin(self, body: ChatCompletionRequest, ctx: RequestContext) -> Awaitable[dict[str, Any]]:
         """Checked and admitted now; the whole answer, to await later (a background
         response is refused at once, and generates in its own task)."""
@@ -51,6 +55,7 @@ class ServingChat(BaseServing):
     async def _whole(self, body: ChatCompletionRequest, ctx: RequestContext, stream, num_prompt: int) -> dict:
         return self.check_deadline(await self._full(body, ctx, stream, num_prompt))
 
+    @per_model
     async def prepare_body(self, body: ChatCompletionRequest, ctx: RequestContext) -> tuple[list[int], Any]:
         """Everything checked and the prompt tokenized: (prompt ids, params to run). With
         no gate on ctx this is only the check (a batch line's validation)."""
@@ -67,13 +72,15 @@ class ServingChat(BaseServing):
             body._thinking = self.reasoning.apply(text, params, body.thinking_token_budget, body.reasoning_effort)
         if body.uses_cache_control:
             params = dataclasses.replace(params, cache_pins=await self._cache_pins(body, ids))
-        return ids, self.prepare(ctx, [ids], params, body.param_renames())
+        return ids, await self.prepare_held(ctx, body, [ids], params)
 
+    @per_model
     async def render(self, body: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
         """The prompt's token ids: messages and tools checked, rendered by the chat
         template, tokenized (the template writes its own special tokens)."""
         return await self.encode(await self.render_text(body), "messages", add_special_tokens=add_special_tokens)
 
+    @per_model
     async def render_text(self, body: ChatCompletionRequest) -> str:
         """The prompt as the chat template renders it, messages and tools checked first."""
         self.check_model(body.model)

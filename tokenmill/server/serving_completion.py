@@ -13,7 +13,7 @@ from tokenmill.engine.api import Choice, RequestOutput, TokenLogprob
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import (BaseServing, RequestContext, SpecTally, json_response, merge_streams, now,
-                                      run_until_disconnected, sse, sse_with_errors, streaming_response)
+                                      per_model, run_until_disconnected, sse, sse_with_errors, streaming_response)
 
 
 class ServingCompletion(BaseServing):
@@ -33,6 +33,7 @@ class ServingCompletion(BaseServing):
             prompt = [prompt]
         return [("", list(ids)) for ids in prompt]
 
+    @per_model
     async def create(self, body: CompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         if not body.stream:
             return json_response(await run_until_disconnected(raw, self.complete(body, ctx)))
@@ -40,11 +41,13 @@ class ServingCompletion(BaseServing):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return streaming_response(sse_with_errors(self._stream(body, ctx, prompts, streams, include_usage)))
 
+    @per_model
     async def complete(self, body: CompletionRequest, ctx: RequestContext) -> dict[str, Any]:
         """The whole answer as one JSON body (what a batch line gets, too)."""
         prompts, streams = await self._start(body, ctx)
         return self.check_deadline(await self._full(body, ctx, prompts, streams))
 
+    @per_model
     async def prepare_body(self, body: CompletionRequest, ctx: RequestContext):
         """Everything checked and the prompts tokenized: ([(text, ids)], params to run).
         With no gate on ctx this is only the check (a batch line's validation)."""
@@ -52,7 +55,7 @@ class ServingCompletion(BaseServing):
         if body.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
         prompts = await self._prompts(body.prompt)
-        return prompts, self.prepare(ctx, [ids for _, ids in prompts], body.sampling_params(), body.param_renames())
+        return prompts, await self.prepare_held(ctx, body, [ids for _, ids in prompts], body.sampling_params())
 
     async def _start(self, body: CompletionRequest, ctx: RequestContext):
         prompts, params = await self.prepare_body(body, ctx)

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import StrictBool, StrictInt, StrictStr
 
-from tokenmill.engine.api import EngineClient, InvalidParameter
+from tokenmill.engine.api import EngineClient, ModelHost
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, _Body
 from tokenmill.server.serving_chat import ServingChat
@@ -38,32 +38,33 @@ class DetokenizeRequest(_Body):
 
 
 def add_tokenize_routes(app: FastAPI, engine: EngineClient, chat: ServingChat) -> None:
-    model_name = chat.model_name
+    def max_model_len(name: str) -> int:
+        served = engine.served(name)
+        if served.started_limits is None and isinstance(engine, ModelHost):  # not loaded yet: as it will be
+            return next(m["max_model_len"] for m in engine.model_states() if m["id"] == name)
+        return served.max_model_len
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            chat.check_model(body.model)
+        own = chat.for_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            as_chat = ChatCompletionRequest(model=model_name, messages=body.messages, tools=body.tools,
+            as_chat = ChatCompletionRequest(model=own.model_name, messages=body.messages, tools=body.tools,
                                             add_generation_prompt=body.add_generation_prompt)
-            ids = await chat.render(as_chat, add_special_tokens=bool(body.add_special_tokens))
+            ids = await own.render(as_chat, add_special_tokens=bool(body.add_special_tokens))
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await chat.encode(body.prompt, "prompt", add_special_tokens=add)
-        strs = [chat.token_str(t) for t in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.served().max_model_len, "tokens": ids, "token_strs": strs}
+            ids = await own.encode(body.prompt, "prompt", add_special_tokens=add)
+        strs = [own.token_str(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len(own.model_name), "tokens": ids,
+                "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            chat.check_model(body.model)
-        if body.tokens:
-            try:
-                engine.served().limits.check_token_ids(body.tokens)
-            except InvalidParameter as exc:
-                raise APIError(400, str(exc).replace("prompt token ids", "tokens", 1), param="tokens") from None
-        text = await asyncio.to_thread(chat.tokenizer.decode, body.tokens, skip_special_tokens=False)
+        own = chat.for_model(body.model)
+        vocab = engine.served(own.model_name).config.vocab_size
+        if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab):
+            raise APIError(400, f"tokens must be in [0, {vocab})", param="tokens")
+        text = await asyncio.to_thread(own.tokenizer.decode, body.tokens, skip_special_tokens=False)
         return {"prompt": text}
