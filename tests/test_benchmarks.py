@@ -25,6 +25,7 @@ QUICK = {
     "race.startup_memory": rf"\| tokenmill \| {NUM} \| {NUM} \|",
     "race.ab_servers": rf"greedy decode tok/s \(c=1\) +B +{NUM}",
     "engine.engine_speed": r'"tg128": [0-9.e+-]+',
+    "engine.lora": rf"\| 4 streams, 4 adapters \| {NUM} \| {NUM}x \|",
     "engine.kv_disk": rf"after a restart, from disk +{NUM} +\({NUM}x; [0-9]+ tokens cached\)",
     "engine.model_speed": rf"\| int4 \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|",
     "engine.offline_throughput": rf"\| 4 \| {NUM} \| {NUM}x \|",
