@@ -10,10 +10,10 @@ import asyncio
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import StrictBool, StrictInt, StrictStr
+from pydantic import StrictBool, StrictInt, StrictStr, ValidationError
 
 from tokenmill.engine.api import EngineClient, ModelHost
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, as_api_error
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, _Body
 from tokenmill.server.serving_chat import ServingChat
 
@@ -50,8 +50,11 @@ def add_tokenize_routes(app: FastAPI, engine: EngineClient, chat: ServingChat) -
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            as_chat = ChatCompletionRequest(model=own.model_name, messages=body.messages, tools=body.tools,
-                                            add_generation_prompt=body.add_generation_prompt)
+            try:  # (the chat body's own checks: a tool message without its tool_call_id, ...)
+                as_chat = ChatCompletionRequest(model=own.model_name, messages=body.messages, tools=body.tools,
+                                                add_generation_prompt=body.add_generation_prompt)
+            except ValidationError as exc:
+                raise as_api_error(exc) from None
             ids = await own.render(as_chat, add_special_tokens=bool(body.add_special_tokens))
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
