@@ -115,7 +115,7 @@ def main() -> None:
     for name, rates in batch.items():
         print(f"| {args.streams} streams, {name} | {med(rates):.1f} | {med(rates) / baseN:.2f}x |")
     print(f"adapter load: median {med(a.load_seconds for a in loads) * 1000:.0f} ms; "
-          f"{loads[0].nbytes / 2 ** 20:.1f} MiB of float32 A and B each, read by a step per distinct adapter "
+          f"{loads[0].nbytes / 2 / 2 ** 20:.1f} MiB of bfloat16 A and B each, read by a step per distinct adapter "
           f"(the base model's weights: {loaded.model.weight_bytes / 2 ** 20:.1f} MiB)")
 
 

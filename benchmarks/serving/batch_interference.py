@@ -292,12 +292,15 @@ class Bench:
         out_tokens = b.usage.output_tokens
         res = {"batch_id": bid, "lines": b.request_counts.total, "completed": b.request_counts.completed,
                "failed": b.request_counts.failed, "output_tokens": out_tokens,
-               "polled_s": t_done - t_in, "tok_s": out_tokens / (t_done - t_in),
+               # (a batch may finish within one poll: then the server's stamps give the rate)
+               "polled_s": t_done - t_in, "tok_s": out_tokens / (t_done - t_in) if t_done > t_in else None,
                "tok_s_to_finalizing": out_tokens / (t_fin - t_in) if t_fin and t_fin > t_in else None,
                "server_s": (b.completed_at - b.in_progress_at) if b.completed_at and b.in_progress_at else None,
                "validating_s": t_in - t_sub, "other_cores": other,
                "preemptions": m1.get("tokenmill_preemptions", 0) - m0.get("tokenmill_preemptions", 0)}
         res["server_tok_s"] = out_tokens / res["server_s"] if res["server_s"] else None
+        if res["tok_s"] is None:
+            res["tok_s"] = res["server_tok_s"]
         return res
 
     async def with_batch(self, label: str) -> tuple[list[RequestRecord], float, dict[str, Any]]:
@@ -385,7 +388,7 @@ def report(res: dict[str, Any]) -> None:
     share = ratio(idle["tok_s"], under["tok_s_median"])
     print("\n| batch | output tok/s | note |")
     print("|---|---|---|")
-    print(f"| alone (idle capacity) | {idle['tok_s']:.1f} | {idle['lines']} lines, {idle['output_tokens']} tokens "
+    print(f"| alone (idle capacity) | {fmt(idle['tok_s'])} | {idle['lines']} lines, {idle['output_tokens']} tokens "
           f"in {idle['polled_s']:.1f} s (server stamps: {fmt(idle['server_tok_s'])} tok/s over "
           f"{fmt(idle['server_s'], '.0f')} s) |")
     print(f"| under the live load | {fmt(under['tok_s_median'])} | median of rounds "

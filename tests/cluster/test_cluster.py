@@ -16,6 +16,7 @@ import pytest
 
 from tests.cluster.conftest import ray_processes
 from tests.server.conftest import MODEL, ServerProcess, add_key
+from tokenmill.kv.disk import SUFFIX
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -33,8 +34,14 @@ def keys(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(keys):
+def kv_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cluster-kv")
+
+
+@pytest.fixture(scope="module")
+def cluster(keys, kv_dir):
     srv = ServerProcess("--replicas", "2", "--num-threads", "1", "--keys-db", str(keys["db"]), *EXACT,
+                        "--kv-disk-dir", str(kv_dir), "--kv-disk-gb", "0.5",
                         command=("cluster", "serve"), env={"RAY_DEDUP_LOGS": "0"}).wait_ready(timeout=300)
     yield srv
     out = srv.stop()
@@ -145,6 +152,19 @@ def test_a_tenants_rpm_holds_across_replicas(cluster, keys):
     assert headers["x-ratelimit-limit-requests"] == "4" and headers["x-ratelimit-remaining-requests"] == "0"
     assert int(headers["retry-after"]) >= 1
     assert all(after[rid] > before.get(rid, 0) for rid in after), (before, after)  # both replicas served it
+
+
+def test_each_replica_keeps_its_own_kv_disk_folder(cluster, keys, kv_dir):
+    """--kv-disk-dir under cluster serve: each replica claims a folder of its own under it
+    (one server per folder, as the disk tier's lock demands) and writes its blocks there."""
+    for i in range(4):
+        assert chat(cluster, keys["free"], f"Tell me about bread number {i}. " * 8).status_code == 200
+    folders = sorted(p.name for p in kv_dir.iterdir() if p.is_dir())
+    assert folders == ["replica-0", "replica-1"]
+    deadline = time.monotonic() + 30  # (written in the background)
+    while time.monotonic() < deadline and not list(kv_dir.rglob(f"*{SUFFIX}")):
+        time.sleep(0.5)
+    assert list(kv_dir.rglob(f"*{SUFFIX}"))
 
 
 def test_a_killed_replica_fails_its_requests_and_the_service_goes_on(cluster, keys):

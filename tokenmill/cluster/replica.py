@@ -11,6 +11,7 @@ ingress sums into cluster-wide stats and per-replica metrics.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,10 @@ class EngineReplica:
         from tokenmill.logs import configure_logging
 
         configure_logging("info", log_format)
+        self._claim = None
+        if config.cache.kv_disk_dir:  # one server per directory: each replica takes its own under it
+            path, self._claim = claim_subdir(config.cache.kv_disk_dir)
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_disk_dir=path))
         self.engine = make_engine(config, "thread")
         await self.engine.start()
         self.requests = 0  # routed here: the ingress shows it per replica
@@ -55,6 +60,23 @@ class EngineReplica:
 
     async def __del__(self) -> None:  # graceful shutdown: Ray drained the requests first
         await self.engine.stop()
+
+
+def claim_subdir(root: str, limit: int = 1024):
+    """The first `replica-N` folder under `root` that no live replica holds, and the open
+    file whose lock holds it for this process's life. A replica that restarts takes back
+    a folder its predecessor held, with the KV blocks it wrote."""
+    for i in range(limit):
+        path = os.path.join(root, f"replica-{i}")
+        os.makedirs(path, exist_ok=True)
+        f = open(os.path.join(path, "claim"), "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            continue
+        return path, f
+    raise RuntimeError(f"{limit} replicas already hold KV disk folders under {root}")
 
 
 def rebase_times(out: RequestOutput, shift: float) -> RequestOutput:

@@ -39,7 +39,7 @@ class Adapters:
     def __init__(self, model, config: LoraConfig, ops):
         self.config = config
         self.cfg = model.cfg
-        self.slots = AdapterSlots(model.cfg, max(1, config.max_loras), ops)
+        self.slots = AdapterSlots(model.cfg, max(1, config.max_loras), ops, model.dtype)
         model.adapters = self.slots
         self.paths: dict[str, str] = {}  # every known adapter
         self.holders: Counter[int] = Counter()  # slot -> requests holding it

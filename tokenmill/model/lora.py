@@ -260,11 +260,13 @@ class AdapterSlots:
     """The model's resident adapters: `slots` places, each an Adapter or None, and the
     table the native kernels read (None without them: a torch fallback per row)."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, ops=None):
+    def __init__(self, cfg: ModelConfig, slots: int, ops=None, dtype: torch.dtype = torch.float32):
         self.cfg = cfg
         self.ops = ops
         self.adapters: list[Adapter | None] = [None] * slots
-        self.table = ops.LoraTable(slots, 4 * cfg.num_layers) if ops is not None else None
+        # a bfloat16 model's adapters in bfloat16 too: half the bytes each step reads per adapter
+        self.table = (ops.LoraTable(slots, 4 * cfg.num_layers, dtype == torch.bfloat16) if ops is not None
+                      else None)
         self._packed: list[Packed | None] = [None] * slots
 
     def slot_of(self, name: str) -> int | None:

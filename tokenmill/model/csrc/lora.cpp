@@ -9,7 +9,8 @@
 
 namespace tm_lora {
 
-LoraTable::LoraTable(int64_t slots, int64_t mats) : updates_(slots, std::vector<Update>(mats)), mats_(mats) {
+LoraTable::LoraTable(int64_t slots, int64_t mats, bool bf16)
+    : updates_(slots, std::vector<Update>(mats)), mats_(mats), bf16_(bf16) {
   TORCH_CHECK(slots >= 1 && mats >= 1, "a table of at least one slot and one matmul");
 }
 
@@ -26,8 +27,9 @@ void LoraTable::set(int64_t slot, std::vector<torch::Tensor> As, std::vector<tor
                 "A and B float32, seg int32");
     TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && seg.dim() == 1 && seg.size(0) == B.size(0), "A [R, k], B [n, r], seg [n]");
     Update u;
-    u.AT = A.t().contiguous();
-    u.BT = B.t().contiguous();
+    const auto dt = bf16_ ? at::kBFloat16 : at::kFloat;
+    u.AT = A.t().contiguous().to(dt);
+    u.BT = B.t().contiguous().to(dt);
     u.R = A.size(0), u.k = A.size(1), u.r = B.size(1), u.n = B.size(0);
     auto sc = seg.contiguous();
     const int32_t* s = sc.data_ptr<int32_t>();
@@ -51,32 +53,47 @@ void LoraTable::clear(int64_t slot) {
   updates_[slot] = std::vector<Update>(mats_);
 }
 
-template <typename T>
-static void update(const Update& u, const T* x, int64_t c0, int64_t c1, T* y, float* scratch) {
+template <typename T, typename W>
+static void update_w(const Update& u, const T* x, int64_t c0, int64_t c1, T* y, float* scratch) {
   // (64-byte aligned pieces of the scratch: the loops below never depend on where it lies)
   float* xf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
-  float* xa = xf + ((u.k + 15) & ~int64_t(15));
-  float* acc = xa + ((u.R + 15) & ~int64_t(15));
+  const int64_t R16 = (u.R + 15) & ~int64_t(15);
+  float* part = xf + ((u.k + 15) & ~int64_t(15));  // 4 partial sums of A x, R16 apart
+  float* acc = part + 4 * R16;
   for (int64_t e = 0; e < u.k; ++e) xf[e] = static_cast<float>(x[e]);
-  const float* AT = u.AT.data_ptr<float>();
-  std::fill(xa, xa + u.R, 0.f);
-  for (int64_t e = 0; e < u.k; ++e) {  // A x as k axpys: each of its R sums in e order
+  const W* AT = u.AT.data_ptr<W>();
+  std::fill(part, part + 4 * R16, 0.f);
+  // A x as k axpys, in 4 interleaved chains (input e into chain e mod 4: they run in
+  // parallel, where one chain would wait on each FMA), summed in one fixed order
+  for (int64_t e = 0; e < u.k; ++e) {
     const float v = xf[e];
-    const float* at = AT + e * u.R;
-    for (int64_t i = 0; i < u.R; ++i) xa[i] = std::fma(v, at[i], xa[i]);
+    const W* at = AT + e * u.R;
+    float* p = part + (e & 3) * R16;
+    for (int64_t i = 0; i < u.R; ++i) p[i] = std::fma(v, static_cast<float>(at[i]), p[i]);
   }
-  const float* BT = u.BT.data_ptr<float>();
+  float* xa = part;
+  for (int64_t i = 0; i < R16; ++i)  // (whole vectors: every element takes the same code)
+    xa[i] = (part[i] + part[R16 + i]) + (part[2 * R16 + i] + part[3 * R16 + i]);
+  const W* BT = u.BT.data_ptr<W>();
   for (const Part& p : u.parts) {
     const int64_t a = std::max(c0, p.c0), b = std::min(c1, p.c1);
     if (a >= b) continue;
     std::fill(acc + a, acc + b, 0.f);
     for (int64_t j = 0; j < u.r; ++j) {  // an axpy a rank: each column's sum in j order
       const float v = xa[p.r0 + j];
-      const float* bt = BT + j * u.n;
-      for (int64_t c = a; c < b; ++c) acc[c] = std::fma(v, bt[c], acc[c]);
+      const W* bt = BT + j * u.n;
+      for (int64_t c = a; c < b; ++c) acc[c] = std::fma(v, static_cast<float>(bt[c]), acc[c]);
     }
     for (int64_t c = a; c < b; ++c) y[c] = static_cast<T>(static_cast<float>(y[c]) + acc[c]);
   }
+}
+
+template <typename T>
+static void update(const Update& u, const T* x, int64_t c0, int64_t c1, T* y, float* scratch) {
+  if (u.AT.scalar_type() == at::kBFloat16)
+    update_w<T, c10::BFloat16>(u, x, c0, c1, y, scratch);
+  else
+    update_w<T, float>(u, x, c0, c1, y, scratch);
 }
 
 void update_row(const Update& u, const float* x, int64_t c0, int64_t c1, float* y, float* scratch) {
@@ -127,7 +144,8 @@ void lora_apply_(const tm_lora::LoraTable& table, int64_t m, torch::Tensor x, to
 
 void bind_lora(pybind11::module& m) {
   pybind11::class_<tm_lora::LoraTable, std::shared_ptr<tm_lora::LoraTable>>(m, "LoraTable")
-      .def(pybind11::init<int64_t, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, bool>(), pybind11::arg("slots"), pybind11::arg("mats"),
+           pybind11::arg("bf16") = false)
       .def("set", &tm_lora::LoraTable::set)
       .def("clear", &tm_lora::LoraTable::clear)
       .def_property_readonly("slots", &tm_lora::LoraTable::slots);

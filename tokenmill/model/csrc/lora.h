@@ -23,7 +23,7 @@ struct Part {
 struct Update {
   // float32 [k, R] and [r, n]: A and B transposed, so that both products are axpys over
   // contiguous rows (vectorized, each sum in one fixed order)
-  torch::Tensor AT, BT;
+  torch::Tensor AT, BT;  // float32, or bfloat16 in a bfloat16 model's table (half the bytes a step reads)
   std::vector<Part> parts;  // the targeted column runs, in order
   int64_t R = 0, r = 0, k = 0, n = 0;
   bool defined() const { return R > 0; }
@@ -33,7 +33,8 @@ struct Update {
 // gate_up, down), filled from Python as adapters load and unload.
 class LoraTable {
  public:
-  LoraTable(int64_t slots, int64_t mats);
+  // bf16: keep A and B in bfloat16 (a bfloat16 model's; the sums stay float32)
+  LoraTable(int64_t slots, int64_t mats, bool bf16 = false);
   void set(int64_t slot, std::vector<torch::Tensor> As, std::vector<torch::Tensor> Bs,
            std::vector<torch::Tensor> segs);
   void clear(int64_t slot);
@@ -45,13 +46,14 @@ class LoraTable {
     const Update& u = updates_[slot][m];
     return u.defined() ? &u : nullptr;
   }
-  // the scratch a row needs, in floats: A x (the largest R), x as floats and a row of
-  // updates (the largest k and n)
-  int64_t scratch() const { return max_R_ + max_k_ + max_n_ + 48; }
+  // the scratch a row needs, in floats: x as floats, 4 partial sums of A x and a row of
+  // updates (for the largest k, R and n), each piece 64-byte aligned
+  int64_t scratch() const { return 4 * max_R_ + max_k_ + max_n_ + 96; }
 
  private:
   std::vector<std::vector<Update>> updates_;
   int64_t mats_, max_R_ = 0, max_k_ = 0, max_n_ = 0;
+  bool bf16_;
 };
 
 // Columns [c0, c1) of one output row y [n] += B (A x) for one input row x [k], rounded
