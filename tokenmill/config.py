@@ -189,6 +189,27 @@ class CacheConfig:
             raise ValueError("the KV disk tier keeps prefix-cache blocks: it needs prefix caching on")
 
 
+GiB = 1024 ** 3
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable (what can be allocated without swapping)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_cache_bytes() -> int:
+    """The KV cache of an engine given no size: a quarter of free memory, at most 2 GiB
+    (tens of thousands of tokens for a small model; the pool is zero-filled)."""
+    return int(min(2 * GiB, 0.25 * available_memory_bytes()))
+
+
 def default_num_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tokenmill.config import EngineConfig, default_num_threads
+from tokenmill.config import EngineConfig, default_cache_bytes, default_num_threads
 from tokenmill.engine.api import RequestLimits, check_knobs
 from tokenmill.engine.front import generation_defaults
 from tokenmill.engine.types import (EngineStats, GenerationDefaults, InvalidParameter, Priority, RequestOutput,
@@ -27,7 +27,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured.matchers import GrammarMatchers
-from tokenmill.kv.cache import KVCache, default_cache_bytes
+from tokenmill.kv.cache import KVCache
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tier import open_disk_tier
 from tokenmill.model.kernels import native_ops, native_ops_for

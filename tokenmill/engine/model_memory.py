@@ -5,19 +5,7 @@ from __future__ import annotations
 
 import os
 
-GiB = 1024 ** 3
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable (what can be allocated without swapping), torch-free."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+from tokenmill.config import GiB, available_memory_bytes, default_cache_bytes
 
 
 def default_budget_bytes() -> int:
@@ -28,7 +16,7 @@ def default_budget_bytes() -> int:
 def default_kv_cache_gb() -> float:
     """The single-model default (a quarter of available memory, at most 2 GiB), fixed
     once so that every model's estimate is what its engine allocates."""
-    return min(2.0, 0.25 * available_memory_bytes() / GiB)
+    return default_cache_bytes() / GiB
 
 
 def weights_bytes(path: str) -> int:

@@ -2,31 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from tokenmill.model.memory import hugepage_zeros
 
-GiB = 1024 ** 3
-
-
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def default_cache_bytes() -> int:
-    """A quarter of free memory, at most 2 GiB: tens of thousands of tokens for a small model,
-    and the pool is zero-filled (masked slots must hold finite values)."""
-    return int(min(2 * GiB, 0.25 * available_memory_bytes()))
 
 
 class KVCache:

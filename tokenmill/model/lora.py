@@ -15,6 +15,7 @@ Adapters occupy slots (`AdapterSlots`, `--max-loras`): a step's rows carry their
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -46,7 +47,8 @@ class AdapterError(ValueError):
 
 @dataclass
 class Adapter:
-    """One adapter's weights (float32, the scale kept apart), keyed (layer, module)."""
+    """One adapter's weights (float32, the scale kept apart), keyed (layer, module); once
+    placed in a slot the kernels' copy is the one kept and `weights` is emptied."""
 
     name: str
     path: str
@@ -54,15 +56,9 @@ class Adapter:
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # A [r, in], B [out, r]
     digest: str  # of the files' bytes: the prefix cache keys blocks by it
+    modules: tuple[str, ...] = ()  # the projections it targets
+    nbytes: int = 0  # of its float32 A and B
     load_seconds: float = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
-    @property
-    def modules(self) -> list[str]:
-        return sorted({m for _, m in self.weights}, key=MODULES.index)
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -110,7 +106,9 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> Adapt
                                f"(A [{rank}, {inp}], B [{out}, {rank}])")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{where}: weights are not finite")
-    adapter = Adapter(name, path, rank, scale, weights, _digest(files))
+    adapter = Adapter(name, path, rank, scale, weights, _digest(files),
+                      tuple(sorted({m for _, m in weights}, key=MODULES.index)),
+                      sum(a.nbytes + b.nbytes for a, b in weights.values()))
     if adapter.nbytes > MAX_ADAPTER_BYTES:
         raise AdapterError(f"adapter {name!r}: {adapter.nbytes / 2 ** 20:.0f} MiB is over the limit")
     adapter.load_seconds = time.monotonic() - t0
@@ -277,10 +275,11 @@ class AdapterSlots:
 
     def put(self, slot: int, adapter: Adapter) -> None:
         packed = pack(adapter, self.cfg)
-        if self.table is not None:
+        if self.table is not None:  # (the table keeps its own copy, transposed)
             self.table.set(slot, packed.As, packed.Bs, packed.segs)
-        self.adapters[slot] = adapter
-        self._packed[slot] = packed
+        else:
+            self._packed[slot] = packed
+        self.adapters[slot] = dataclasses.replace(adapter, weights={})
 
     def clear(self, slot: int) -> None:
         if self.table is not None:

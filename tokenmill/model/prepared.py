@@ -52,39 +52,14 @@ def prepared_root() -> str | None:
     return os.path.join(xdg, "tokenmill", "prepared")
 
 
-def _files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        return sorted(os.path.join(path, f) for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
-    return [path]
-
-
 def model_digest(path: str, root: str) -> str:
-    """A digest of the model's bytes (a file, or a folder's files), remembered in
-    <root>/digests.json against each file's (size, mtime, inode)."""
-    memo_path = os.path.join(root, "digests.json")
-    try:
-        with open(memo_path, encoding="utf-8") as f:
-            memo = json.load(f)
-    except (OSError, ValueError):
-        memo = {}
+    """A digest of the model's bytes (a file, or a folder's files): the snapshot's file
+    digests (tokenmill/model/snapshot.py), remembered in <root>/digests.json."""
+    from tokenmill.model.snapshot import file_digests
+
     outer = hashlib.sha256()
-    changed = False
-    for name in _files(path):
-        st = os.stat(name)
-        real = os.path.realpath(name)
-        sig = [st.st_size, st.st_mtime_ns, st.st_ino]
-        entry = memo.get(real)
-        if entry is None or entry[:3] != sig:
-            h = hashlib.blake2b(digest_size=20)
-            with open(name, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
-            entry = sig + [h.hexdigest()]
-            memo[real] = entry
-            changed = True
-        outer.update(os.path.basename(name).encode() + b"\0" + entry[3].encode())
-    if changed:
-        _write_atomic(memo_path, json.dumps(memo).encode())
+    for name, digest in sorted(file_digests(path, root).items()):
+        outer.update(name.encode() + b"\0" + digest.encode())
     return outer.hexdigest()
 
 
@@ -189,11 +164,4 @@ def _mtime(entry: os.DirEntry) -> float | None:
         return entry.stat().st_mtime
     except OSError:
         return None
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
