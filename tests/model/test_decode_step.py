@@ -314,7 +314,18 @@ def test_hugepage_zeros_and_packing():
     assert small.shape == (4, 5) and not small.any()
 
     parts = [torch.arange(n, dtype=torch.uint8) for n in (100, 64, 1)] + [torch.randn(1 << 20)]
-    packed = pack_together(parts)
+    originals = [p.clone() for p in parts]
+    packed: list = [None] * len(parts)
+    sources: list = []
+
+    def placed(i, source, copy):
+        packed[i] = copy
+        sources.append(source)
+        assert parts[i] is None  # the list let go of it before the call
+
+    pack_together(parts, placed)
+    assert [s.data_ptr() for s in sources] != [p.data_ptr() for p in packed]
+    parts = originals
     for a, b in zip(parts, packed):
         assert torch.equal(a, b) and b.dtype == a.dtype and b.data_ptr() % 64 == 0
     ends = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in packed)

@@ -270,3 +270,44 @@ def test_auto_keeps_q5_0_and_wide_blocks_and_int4_rounds_them(tmp_path, monkeypa
     assert len(list((tmp_path / "prepared").glob("*.pt"))) == 2
     again = load_model(str(path), "bfloat16", "auto").model.layers[0]  # from the cache
     assert isinstance(again.o_proj, Q5BlockLinear) and torch.equal(again.o_proj.tiles, auto.o_proj.tiles)
+
+
+def test_a_gguf_files_weights_are_made_one_at_a_time(tmp_path):
+    """Preparing a model dequantizes each weight when the layer being built asks for it
+    (tokenmill/model/lazy_weights.py): names, shapes and membership cost no dequantization,
+    and each lookup gives the file's floats (q rows un-permuted as before)."""
+    from types import SimpleNamespace
+
+    import gguf
+    import numpy as np
+
+    from tokenmill.model.gguf_loader import GGUFFile, _reverse_permute
+    from tokenmill.model.lazy_weights import LazyWeights, shape_of
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "lazy.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    q = rng.standard_normal((64, 32)).astype(np.float32)
+    w.add_tensor("blk.0.attn_q.weight", q)
+    w.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(32).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf = GGUFFile(str(path))
+    made = []
+    real = gf.dequantize
+    gf.dequantize = lambda name: made.append(name) or real(name)
+    weights = gf.state_dict(SimpleNamespace(architecture="llama", num_heads=4, num_kv_heads=2))
+    assert isinstance(weights, LazyWeights)
+    names = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"}
+    assert set(weights) == names and "model.layers.0.self_attn.q_proj.weight" in weights
+    assert shape_of(weights, "model.layers.0.self_attn.q_proj.weight") == (64, 32)
+    assert made == []  # nothing dequantized to answer those
+    got = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(got, torch.from_numpy(_reverse_permute(q, 4).copy()))
+    assert made == ["blk.0.attn_q.weight"]
+    weights["model.layers.0.self_attn.q_proj.weight"]
+    assert len(made) == 2  # made afresh, not kept
+    assert weights.pop("model.layers.0.input_layernorm.weight") is not None
+    assert "model.layers.0.input_layernorm.weight" not in weights and len(made) == 2

@@ -6,9 +6,9 @@ uses), so our float weights are bit-identical to the reference model's.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
 from tokenmill.model.gguf_reader import GGUFReader
+from tokenmill.model.lazy_weights import LazyWeights
 
 try:
     import gguf
@@ -161,24 +162,34 @@ class GGUFFile:
         """The packed bytes of a quantized tensor, [rows, bytes_per_row] uint8."""
         return np.asarray(self.tensors[name].data)
 
-    def iter_state_dict(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, float32 tensor) for every weight, with Q/K un-permuted for llama-arch files."""
-        import torch  # (here: reading metadata needs no torch)
-
+    def state_dict(self, cfg: ModelConfig) -> LazyWeights:
+        """hf_name -> float32 tensor for every weight, each dequantized when asked (Q/K
+        un-permuted for llama-arch files)."""
         self.check_supported()
         permute = cfg.architecture in ("llama", "mistral")
-        for gname in self.tensors:
+        makers, shapes = {}, {}
+        for gname, t in self.tensors.items():
             if gname in _IGNORED:
                 continue
             name = hf_name(gname, cfg.architecture)
             if name is None:
                 raise ModelLoadError(f"unexpected tensor {gname!r} in GGUF file for architecture {cfg.architecture}")
-            w = self.dequantize(gname)
+            heads = None
             if permute and gname.endswith(("attn_q.weight", "attn_q.bias")):
-                w = _reverse_permute(w, cfg.num_heads)
+                heads = cfg.num_heads
             elif permute and gname.endswith(("attn_k.weight", "attn_k.bias")):
-                w = _reverse_permute(w, cfg.num_kv_heads)
-            yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+                heads = cfg.num_kv_heads
+            makers[name] = functools.partial(self._float_tensor, gname, heads)
+            shapes[name] = tuple(int(x) for x in reversed(t.shape))
+        return LazyWeights(makers, shapes)
+
+    def _float_tensor(self, gname: str, heads: int | None) -> torch.Tensor:
+        import torch  # (here: reading metadata needs no torch)
+
+        w = self.dequantize(gname)
+        if heads is not None:
+            w = _reverse_permute(w, heads)
+        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
     def int4_grid(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """A Q4_K tensor's own codes and grid per group of 32, w = q * d + m: q [N, K]
@@ -210,32 +221,42 @@ class GGUFFile:
         rows, cols = (int(x) for x in reversed(t.shape))
         return q5_0_codes(np.asarray(t.data), rows, cols)
 
-    def int4_grids(self, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def int4_grids(self, cfg: ModelConfig) -> LazyWeights:
         """hf_name -> (codes, d, m) for every Q4_K weight, rows in our order: int4 mode
         keeps these codes instead of rounding the dequantized floats a second time."""
         return self._grids(cfg, self.int4_grid)
 
-    def q5_0_grids(self, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def q5_0_grids(self, cfg: ModelConfig) -> LazyWeights:
         """hf_name -> (codes, d) for every Q5_0 weight, rows in our order: int4 mode keeps
         them in Q5_0 tiles."""
         return self._grids(cfg, self.q5_0_grid)
 
-    def _grids(self, cfg: ModelConfig, grid_of) -> dict:
+    def _grids(self, cfg: ModelConfig, grid_of) -> LazyWeights:
+        """hf_name -> grid for each weight of grid_of's type, made when asked."""
+        kind = {self.int4_grid: Q.Q4_K, self.q5_0_grid: Q.Q5_0}[grid_of]
+        permute = cfg.architecture in ("llama", "mistral")
+        makers, shapes = {}, {}
+        for gname, t in self.tensors.items():
+            name = hf_name(gname, cfg.architecture)
+            if name is None or Q(t.tensor_type) != kind:
+                continue
+            heads = None
+            if permute and gname.endswith("attn_q.weight"):
+                heads = cfg.num_heads
+            elif permute and gname.endswith("attn_k.weight"):
+                heads = cfg.num_kv_heads
+            makers[name] = functools.partial(self._grid_tensors, grid_of, gname, heads)
+            shapes[name] = tuple(int(x) for x in reversed(t.shape))
+        return LazyWeights(makers, shapes)
+
+    @staticmethod
+    def _grid_tensors(grid_of, gname: str, heads: int | None) -> tuple:
         import torch
 
-        permute = cfg.architecture in ("llama", "mistral")
-        out = {}
-        for gname in self.tensors:
-            name = hf_name(gname, cfg.architecture)
-            grid = grid_of(gname) if name is not None else None
-            if grid is None:
-                continue
-            if permute and gname.endswith("attn_q.weight"):
-                grid = tuple(_reverse_permute(a, cfg.num_heads) for a in grid)
-            elif permute and gname.endswith("attn_k.weight"):
-                grid = tuple(_reverse_permute(a, cfg.num_kv_heads) for a in grid)
-            out[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in grid)
-        return out
+        grid = grid_of(gname)
+        if heads is not None:
+            grid = tuple(_reverse_permute(a, heads) for a in grid)
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in grid)
 
     def wide_weights(self) -> set[str]:
         """hf_names of the weights stored in blocks of more than 5 bits (Q5_1, Q5_K, Q6_K,

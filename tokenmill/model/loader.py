@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.model.config import ModelConfig, ModelLoadError
+from tokenmill.model.lazy_weights import shape_of
 from tokenmill.model.llama import DenseLinear, LlamaLayer, LlamaModel
-from tokenmill.model.memory import drop_mapped_pages, pack_together
+from tokenmill.model.memory import drop_mapped_pages, pack_together, release_freed_memory
 # (re-exported: the metadata side needs no torch, so a server's front process never loads it)
 from tokenmill.model.metadata import EMBEDDED_FILE, EMBEDDED_PACKAGE, default_model_path, load_metadata  # noqa: F401
 from tokenmill import logs
@@ -32,8 +34,8 @@ class StoredBlocks:
     and grids (kept in int4 tiles), Q5_0 codes and scales (kept in Q5_0 tiles), and the
     names of weights in blocks of more than 5 bits (kept at 8 bits, in Q8_0-style blocks:
     a Q8_0 weight exactly, a Q6_K one within an eighth of its step)."""
-    int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    q5_0: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    int4: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (LazyWeights: each made when asked)
+    q5_0: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
     wide: set[str]
 
 
@@ -92,11 +94,12 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                 rope_freqs: torch.Tensor | None = None, quantization: str = "none",
                 stored: StoredBlocks | None = None) -> LlamaModel:
     """Check the weights strictly, fuse q/k/v and gate/up, and quantize linears if asked
-    (quantized linears compute in bfloat16, so the rest of the model does too). `stored`:
+    (quantized linears compute in bfloat16, so the rest of the model does too). `weights`: a
+    dict, or LazyWeights made one at a time as the layers are built. `stored`:
     the file's own blocks (GGUF), which int4 mode keeps rather than rounding to int4."""
     grids = stored.int4 if stored is not None else None
     if quantization not in QUANTIZATIONS:
@@ -113,8 +116,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
     if unexpected:
         raise ModelLoadError(f"checkpoint has {len(unexpected)} unexpected weights, e.g. {unexpected[0]!r}")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ModelLoadError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+        if shape_of(weights, name) != shape:
+            raise ModelLoadError(f"weight {name!r} has shape {shape_of(weights, name)}, expected {shape}")
 
     def w(name: str) -> torch.Tensor:
         return weights[name].to(dtype).contiguous()
@@ -133,8 +136,9 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         if quantization != "int4" or stored is None or not quant_vnni_available() or not _tileable(*weight.shape):
             return None
         if all(n in stored.q5_0 for n in names):
-            codes = torch.cat([stored.q5_0[n][0] for n in names])
-            d = torch.cat([stored.q5_0[n][1] for n in names])
+            grids_ = [stored.q5_0[n] for n in names]
+            codes = torch.cat([g[0] for g in grids_])
+            d = torch.cat([g[1] for g in grids_])
             return Q5BlockLinear(codes, d, bias)
         if any(n in stored.wide for n in names) and all(n in stored.wide or n in stored.q5_0 for n in names):
             return Int8BlockLinear(weight, bias, float_out=False)
@@ -193,20 +197,23 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         # (the embedded file's own, recovered exactly) where the VNNI kernels run.
         lm_head = linear(head) if quantization == "none" else output_projection(head)
     model = LlamaModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, rope_freqs)
+    release_freed_memory()  # (the float temporaries' pages, before the packed copy grows)
     _pack_tiles(model)
     return model
 
 
 def _pack_tiles(model: LlamaModel, mapped: bool = False) -> None:
     """The small-batch kernels' packed weights, streamed whole every decode step: into one
-    huge-page buffer (tokenmill.model.memory). mapped: they were read from the prepared
-    file's mapping, whose copied pages are then let go."""
+    huge-page buffer (tokenmill.model.memory), each source let go once copied. mapped: they
+    were read from the prepared file's mapping, whose copied pages are then let go."""
     packed = [lin for lin in model.linears() if getattr(lin, "tiles", None) is not None]
-    sources = [lin.tiles for lin in packed]
-    for lin, tiles in zip(packed, pack_together(sources)):
-        lin.tiles = tiles
-    if mapped:
-        drop_mapped_pages(sources)
+
+    def placed(i: int, source: torch.Tensor, copy: torch.Tensor) -> None:
+        packed[i].tiles = copy
+        if mapped:
+            drop_mapped_pages([source])
+
+    pack_together([lin.tiles for lin in packed], placed)
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
@@ -255,15 +262,16 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
                      f"for the kernels); cached for later starts in {os.path.dirname(file)}")
     t0 = time.perf_counter()
     if os.path.isdir(path):
-        weights = dict(ckpt.iter_state_dict(cfg))
+        weights = ckpt.state_dict(cfg)
     else:
-        weights = dict(gf.iter_state_dict(cfg))
+        weights = gf.state_dict(cfg)
         rope_freqs = gf.rope_freqs()
     stored = None
     if quantization == "int4" and not os.path.isdir(path):
         stored = StoredBlocks(gf.int4_grids(cfg), gf.q5_0_grids(cfg) if keep else {},
                               gf.wide_weights() if keep else set())
     model = build_model(cfg, weights, torch_dtype, rope_freqs, quantization, stored)
+    release_freed_memory()  # (the unpacked tiles' pages: ~0.9 GB for a 1.5B model)
     if file:
         prepared.save(model, file)
         logs.say(f"prepared in {time.perf_counter() - t0:.1f} s")

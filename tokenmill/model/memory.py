@@ -12,9 +12,11 @@ Where huge pages are unavailable the buffers are ordinary ones.
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -132,19 +134,35 @@ def drop_mapped_pages(tensors: list[torch.Tensor]) -> None:
             madvise(first, last - first, _MADV_DONTNEED)
 
 
-def pack_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def pack_together(tensors: list[torch.Tensor], placed: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
     """Copies of the tensors placed one after another (64-byte aligned) in one huge-page
     buffer: one mapping for all of a model's packed weights rather than one each, which
-    would round every small matrix up to a 2 MiB page."""
+    would round every small matrix up to a 2 MiB page. placed(i, source, copy) as each is
+    copied, and the list's entry dropped: a source that its owner then lets go is freed at
+    once, so the model is not held twice (1.3 GB more at the peak for a 1.5B model)."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
         total += (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
     arena = hugepage_empty(total)
-    out = []
-    for t, off in zip(tensors, offsets):
+    for i, off in enumerate(offsets):
+        t, tensors[i] = tensors[i], None
         nbytes = t.numel() * t.element_size()
         dst = arena[off:off + nbytes].view(t.dtype).view(t.shape)
         dst.copy_(t)
-        out.append(dst)
-    return out
+        placed(i, t, dst)
+        del t
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the system (glibc's malloc_trim). Preparing a
+    model frees gigabytes of float temporaries that glibc keeps for reuse: without this,
+    a process that just prepared Qwen2.5-Coder-1.5B held ~2 GB more than one that mapped
+    the cached preparation. A no-op where glibc is absent."""
+    gc.collect()  # (temporaries caught in reference cycles first)
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)

@@ -29,6 +29,7 @@ from tokenmill.model.kernels import native_ops
 
 GROUP = 32
 TILE = 16  # output rows per tile of the native kernels, and torch's int4 packing's unit
+_ROWS_AT_ONCE = 8192  # rows quantized together: bounds the float temporaries of a large head
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
@@ -87,7 +88,7 @@ def pack_int8_blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     rows' scales: 544 bytes a group."""
     n, k = q.shape
     t, g = n // TILE, k // GROUP
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    u = q.view(torch.uint8) ^ 0x80  # q + 128 (two's complement), with no int16 copy of a large head
     codes = u.view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512)
     ds = d.view(t, TILE, g).transpose(1, 2).contiguous().view(torch.uint8).view(t, g, 2 * TILE)
     return torch.cat([codes, ds], dim=-1).view(t, g * 544)
@@ -200,9 +201,16 @@ class Int8BlockLinear(_Quantized):
         if self._vnni is None:
             raise RuntimeError("Int8BlockLinear needs the int8-activation kernels (AVX-512 VNNI or AVX2)")
         g = w.view(n, k // GROUP, GROUP)
-        self.d = (g.abs().amax(dim=-1) / 127.0).to(torch.float16)
-        d = self.d.float()[..., None]
-        q = torch.where(d > 0, g / torch.where(d > 0, d, 1.0), 0.0).round().clamp(-127, 127).to(torch.int8)
+        self.d = torch.empty(n, k // GROUP, dtype=torch.float16)
+        q = torch.empty(n, k // GROUP, GROUP, dtype=torch.int8)
+        # by slices of rows: a 262k-token head's float temporaries, made whole, were ~2 GB
+        for r0 in range(0, n, _ROWS_AT_ONCE):
+            gs = g[r0:r0 + _ROWS_AT_ONCE]
+            ds = (gs.abs().amax(dim=-1) / 127.0).to(torch.float16)
+            self.d[r0:r0 + _ROWS_AT_ONCE] = ds
+            df = ds.float()[..., None]
+            q[r0:r0 + _ROWS_AT_ONCE] = torch.where(df > 0, gs / torch.where(df > 0, df, 1.0), 0.0).round().clamp(
+                -127, 127).to(torch.int8)
         self.tiles = pack_int8_blocks(q.view(n, k), self.d)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = n, k
