@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.api import (AdmissionError, EngineBusy, EngineDeadError, InvalidParameter, ModelUnavailable,
-                                  UnknownModel)
+from tokenmill.engine.api import (AdmissionError, EngineBusy, EngineDeadError, EngineHungError, InvalidParameter,
+                                  ModelUnavailable, UnknownModel)
 
 log = logging.getLogger("tokenmill.server")
 
@@ -86,6 +86,8 @@ def as_api_error(exc: Exception) -> APIError | None:
     if isinstance(exc, ModelUnavailable):
         headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
         return APIError(503, str(exc), param="model", code=exc.code, headers=headers)
+    if isinstance(exc, EngineHungError):  # (a restart follows: a retry finds the new engine)
+        return APIError(503, str(exc), code="engine_hung", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, (RequestValidationError, ValidationError)):

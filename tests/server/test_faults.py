@@ -1,0 +1,99 @@
+"""Faults while the server works: an engine process that stops answering is caught
+within its bound, its requests end with a clear error, it is replaced, and the first
+request after it succeeds; a long step is not mistaken for a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL, ServerProcess, metric
+from tests.server.test_hardening import alive, engine_child
+
+pytestmark = pytest.mark.slow
+
+HANG_S = 2.0  # --engine-hang-timeout of the server below
+SLACK_S = 1.5  # the watchdog's poll and heartbeat periods, and a busy machine
+
+
+def _wait_ready(srv: ServerProcess, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(srv.url + "/ready", timeout=5).status_code == 200:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the engine was not replaced")
+
+
+def test_a_stopped_engine_is_caught_failed_fast_and_replaced():
+    srv = ServerProcess("--engine-hang-timeout", str(HANG_S), "--max-num-batched-tokens", "2048").wait_ready()
+    child = None
+    try:
+        # A long prefill (one step of 1,000 tokens, seconds on a busy machine) is work, not a hang: the heartbeat
+        # comes from a thread of the child that does not step.
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": [[1000 + i % 5000 for i in range(1000)]], "max_tokens": 1})
+        long_step = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert metric(srv, "tokenmill_engine_restarts") == 0
+        print(f"a 1000-token prefill took {long_step:.2f}s with --engine-hang-timeout {HANG_S}")
+
+        child = engine_child(srv)
+        lines: list[str] = []
+        whole: dict = {}
+        stopped_at = 0.0
+
+        def whole_request() -> None:  # sent to the stopped engine
+            t = time.monotonic()
+            resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": 50})
+            whole.update(status=resp.status_code, body=resp.json(), took=time.monotonic() - t)
+
+        caller = threading.Thread(target=whole_request)
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True,
+                "stream": True}) as s:
+            for line in s.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                lines.append(line)
+                if len(lines) == 5:
+                    os.kill(child, signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+                    caller.start()
+        detected = time.monotonic() - stopped_at
+        caller.join(60)
+        print(f"hung engine detected and its stream ended {detected:.2f}s after SIGSTOP "
+              f"(bound {HANG_S}s); the whole request got {whole.get('status')} after {whole.get('took', 0):.2f}s")
+        assert HANG_S - 0.5 <= detected < HANG_S + SLACK_S, detected
+        errors = [json.loads(x[6:]) for x in lines if x.startswith("data: {") and '"error"' in x]
+        assert errors and errors[0]["error"]["code"] == "engine_hung", lines[-3:]
+        assert "no sign of life" in errors[0]["error"]["message"]
+        assert lines[-1] == "data: [DONE]"
+        assert whole["status"] == 503 and whole["body"]["error"]["code"] == "engine_hung", whole
+        assert whole["took"] < HANG_S + SLACK_S
+        deadline = time.monotonic() + 5
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child), "the stopped engine process was not killed"
+
+        _wait_ready(srv)
+        replaced = time.monotonic() - stopped_at
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+        print(f"first good answer {time.monotonic() - stopped_at:.2f}s after SIGSTOP (ready after {replaced:.2f}s)")
+        assert engine_child(srv) != child
+        assert metric(srv, "tokenmill_engine_restarts") == 1
+    finally:
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGCONT)
+        srv.stop()
+    assert srv.proc.returncode == 0
