@@ -97,3 +97,69 @@ def test_a_stopped_engine_is_caught_failed_fast_and_replaced():
             os.kill(child, signal.SIGCONT)
         srv.stop()
     assert srv.proc.returncode == 0
+
+
+def test_a_batch_store_locked_by_another_process(tmp_path):
+    """Another process holds the batch database's write lock (as a backup or an operator's
+    shell may): the Batch API answers 503 store_busy at once, chat goes on, lines finished
+    meanwhile are stored once the lock is gone, and the batch ends with every line once."""
+    import sqlite3
+
+    import openai
+
+    data = tmp_path / "data"
+    srv = ServerProcess("--data-dir", str(data)).wait_ready()
+    holder = None
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 24, "ignore_eos": True}}
+                 for i in range(12)]
+        f = client.files.create(file=("b.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).status != "in_progress" and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+        chat_body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        t0 = time.monotonic()
+        assert httpx.post(srv.url + "/v1/chat/completions", timeout=30, json=chat_body).status_code == 200
+        unlocked = time.monotonic() - t0
+        holder = sqlite3.connect(data / "batch.db", isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, held
+        locked_at = time.monotonic()
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/batches", timeout=30, json={
+            "input_file_id": f.id, "endpoint": "/v1/completions", "completion_window": "24h"})
+        refused = time.monotonic() - t0
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_busy", r.text
+        assert r.headers["retry-after"] == "1"
+        assert client.batches.retrieve(batch.id).status == "in_progress"  # reads go on (WAL)
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json=chat_body)
+        chat = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert chat < unlocked + 5.0, (chat, unlocked)  # a loop stalled on the lock would show here
+        time.sleep(max(0.0, locked_at + 4 - time.monotonic()))  # lines finish while it is locked
+        holder.execute("ROLLBACK")
+        holder.close()
+        holder = None
+        print(f"store locked 4s: the Batch API refused in {refused:.2f}s (503 store_busy), chat answered in "
+              f"{chat:.2f}s (unlocked, beside the same batch: {unlocked:.2f}s)")
+
+        deadline = time.monotonic() + 120
+        while (b := client.batches.retrieve(batch.id)).status not in ("completed", "failed") \
+                and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert b.status == "completed" and b.request_counts.completed == 12, b
+        out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines() if x.strip()]
+        assert sorted(r["custom_id"] for r in out) == sorted(x["custom_id"] for x in lines)  # none lost, none twice
+        assert all(r["response"]["body"]["usage"]["completion_tokens"] == 24 for r in out)
+        r = httpx.post(srv.url + "/v1/batches", timeout=30, json={
+            "input_file_id": f.id, "endpoint": "/v1/completions", "completion_window": "24h"})
+        assert r.status_code == 200, r.text
+    finally:
+        if holder is not None:
+            holder.close()
+        srv.stop()
