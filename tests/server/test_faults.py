@@ -163,3 +163,41 @@ def test_a_batch_store_locked_by_another_process(tmp_path):
         if holder is not None:
             holder.close()
         srv.stop()
+
+
+def test_an_engine_stopped_while_it_loads_fails_the_start():
+    """Stopped before it is ready, the engine would hold the start (or a restart) forever:
+    past three times the hang timeout the server gives up with a clear line instead."""
+    from tests.server.test_hardening import descendants
+
+    srv = ServerProcess("--engine-hang-timeout", "1")
+    stopped = None
+    try:
+        deadline = time.monotonic() + 30
+        while stopped is None and time.monotonic() < deadline and srv.proc.poll() is None:
+            for pid in descendants(srv.proc.pid):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = f.read()
+                except OSError:
+                    continue
+                if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped = pid, time.monotonic()
+                    break
+            time.sleep(0.01)
+        assert stopped is not None, "no engine child was seen loading"
+        code = srv.proc.wait(timeout=60)
+        took = time.monotonic() - stopped[1]
+        out = srv.proc.stdout.read()
+        print(f"an engine stopped while loading failed the start {took:.1f}s later (bound 3s)")
+        assert code != 0 and "no sign of life" in out and "while loading" in out, out[-2000:]
+        assert took < 3 + 10  # the bound, the front's own start, a busy machine
+        deadline = time.monotonic() + 5
+        while alive(stopped[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(stopped[0])
+    finally:
+        if stopped is not None and alive(stopped[0]):
+            os.kill(stopped[0], signal.SIGKILL)
+        srv.stop()

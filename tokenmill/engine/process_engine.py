@@ -15,7 +15,9 @@ A child that stops answering (SIGSTOP, a deadlock, a machine too starved to run 
 caught by a watchdog thread here: a thread of the child, not the one that steps,
 bumps a shared counter every `HEARTBEAT_S`; when neither that counter nor a message
 from the child has moved for `EngineConfig.hang_timeout_s`, the child is killed, its
-requests end with `EngineHungError`, and a new child is started. A long step does not
+requests end with `EngineHungError`, and a new child is started (one that hangs while
+it loads fails the start, or the restart: the server then exits 3 for its supervisor).
+A long step does not
 look hung: the step releases the GIL in torch's and our fused kernels, and the native
 calls that keep it (one layer's attention) last milliseconds, so the heartbeat keeps
 moving; the default bound (10 s) is there for a machine so loaded that the heartbeat
@@ -48,6 +50,7 @@ log = logging.getLogger("tokenmill.engine")
 _STOP = "stop"
 POLL_S = 0.2  # how often the reader checks that the child is alive while it is silent
 HEARTBEAT_S = 0.5  # how often a thread of the child proves that the process runs
+LOAD_HANG_FACTOR = 3  # a loading child may be silent this many times the hang timeout
 _PR_SET_PDEATHSIG = 1
 
 
@@ -225,14 +228,24 @@ class ProcessEngine(EngineFront):
             threading.Thread(target=self._watch, args=(child,), name="tokenmill-engine-watchdog",
                              daemon=True).start()
 
-    @staticmethod
-    def _first_message(child: _Child) -> tuple:
+    def _first_message(self, child: _Child) -> tuple:
+        # While it loads, the watchdog's bound is tripled: imports and loading hold the
+        # GIL for longer stretches than a step (a library's dlopen).
+        hang_s = LOAD_HANG_FACTOR * self.config.hang_timeout_s
+        last_beat, alive_at = child.beat.value, time.monotonic()
         while True:
             try:
                 return child.out_q.get(timeout=POLL_S)
             except queue.Empty:
                 if not child.proc.is_alive():
                     return ("failed", f"exit code {child.proc.exitcode}")
+                now = time.monotonic()
+                if child.beat.value != last_beat:
+                    last_beat, alive_at = child.beat.value, now
+                elif hang_s > 0 and now - alive_at > hang_s:
+                    child.proc.kill()
+                    return ("failed", f"it showed no sign of life for {now - alive_at:.1f}s while loading "
+                                      "(stopped or stuck)")
 
     async def _restart_loop(self) -> None:
         old = self._child
