@@ -13,6 +13,7 @@ import pytest
 from tests.server.conftest import MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow
+EXPORT_TIMEOUT_S = 30
 
 
 class _SilentCollector:
@@ -49,7 +50,9 @@ class _SilentCollector:
 
 def test_a_collector_that_never_answers_costs_requests_nothing():
     collector = _SilentCollector()
-    srv = ServerProcess("--otlp-traces-endpoint", f"http://127.0.0.1:{collector.port}/v1/traces")
+    # a long export timeout: a request that waited on an export would take all of it
+    srv = ServerProcess("--otlp-traces-endpoint", f"http://127.0.0.1:{collector.port}/v1/traces",
+                        env={"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": str(EXPORT_TIMEOUT_S)})
     try:
         srv.wait_ready()
         took = []
@@ -63,8 +66,7 @@ def test_a_collector_that_never_answers_costs_requests_nothing():
         print(f"12 requests beside a silent collector: {[round(t, 2) for t in took]}s, "
               f"{collector.received} bytes sent to it, {len(collector.conns)} connections")
         assert collector.received > 0, "no span was exported: the test tested nothing"
-        # a request that waited on the collector would take the exporter's 10 s timeout
-        assert sorted(took)[len(took) // 2] < 1.0 and max(took) < 10.0
+        assert max(took) < EXPORT_TIMEOUT_S / 2
     finally:
         t0 = time.monotonic()
         srv.stop()
@@ -72,4 +74,4 @@ def test_a_collector_that_never_answers_costs_requests_nothing():
         collector.close()
     print(f"SIGTERM to exit with a silent collector: {stopped:.1f}s")
     assert srv.proc.returncode == 0
-    assert stopped < 10.0  # the drain, the engine's stop and at most FLUSH_S for the spans
+    assert stopped < EXPORT_TIMEOUT_S / 2  # the drain, the engine's stop and at most FLUSH_S for the spans
