@@ -113,6 +113,7 @@ def test_idle_and_slowloris_sockets_do_not_starve_a_real_client():
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
         assert real < 5.0
         assert _labelled(srv, "tokenmill_connections_closed_total", 'reason="evicted_idle"') >= 200 + 1 - cap
+        assert cap - 10 <= metric(srv, "tokenmill_http_connections") <= cap
 
         time.sleep(max(0.0, opened + header_timeout + 1.5 - time.monotonic()))
         stop.set()
@@ -137,6 +138,7 @@ def test_idle_and_slowloris_sockets_do_not_starve_a_real_client():
         evicted = _labelled(srv, "tokenmill_connections_closed_total", 'reason="evicted_idle"')
         assert timed_out + evicted == 200, (timed_out, evicted)
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        assert metric(srv, "tokenmill_http_connections") <= 2  # the scrape's own, and one closing
     finally:
         stop.set()
         for s in idle + slow:

@@ -258,6 +258,7 @@ def run_server(app: FastAPI, options: ServeOptions) -> None:
                             access_log=False, timeout_graceful_shutdown=5, lifespan="on",
                             http=guarded_protocol(limits, app.state.metrics.observe_cut), **extra)
     server = GracefulServer(config, app, options.shutdown_timeout)
+    app.state.metrics.connections.set_function(lambda: len(server.server_state.connections))
     server.run()
     if server.exit_code:
         sys.exit(server.exit_code)

@@ -207,6 +207,8 @@ class Metrics:
                                  ["status_code"], registry=r)
         self.aborted = Counter("tokenmill_aborted_requests", "Requests the server cut off, by reason (slow_client: "
                                "its client read nothing for --write-timeout).", ["reason"], registry=r)
+        self.connections = Gauge("tokenmill_http_connections", "Open HTTP connections (idle ones included).",
+                                 registry=r)
         self.connections_closed = Counter("tokenmill_connections_closed", "Connections the server closed to "
                                           "protect itself, by reason: header_timeout, write_stall, connection_cap "
                                           "(refused), evicted_idle (closed to make room).", ["reason"], registry=r)
