@@ -1,6 +1,8 @@
 """Faults while the server works: an engine process that stops answering is caught
 within its bound, its requests end with a clear error, it is replaced, and the first
-request after it succeeds; a long step is not mistaken for a hang."""
+request after it succeeds (a long step is not mistaken for a hang; one stopped while it
+loads fails the start); a batch store locked by another process gets a clear 503 while
+serving goes on, and no batch line is lost or run twice."""
 
 from __future__ import annotations
 
