@@ -227,3 +227,6 @@ class EngineConfig:
     native_attention: bool = True  # the compiled paged-attention kernel (falls back to torch)
     bounds: RequestBounds = field(default_factory=RequestBounds)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # A process engine whose child shows no sign of life (heartbeat, output) this long is
+    # declared hung, killed and replaced (engine/process_engine.py); 0: never.
+    hang_timeout_s: float = 10.0

@@ -20,9 +20,20 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
 
-from tokenmill.batch.store import BatchStore, Line, LineResult
+from tokenmill.batch.store import BatchStore, Line, LineResult, StoreBusy
 
 log = logging.getLogger("tokenmill.batch")
+BUSY_RETRY_S = 1.0  # how soon the runner tries a store another process has locked again
+
+
+async def _settle(write, *args):
+    """A line's outcome written to the store, however long another process holds its
+    lock: the work is done and paid for, so it is kept rather than run again."""
+    while True:
+        try:
+            return write(*args)
+        except StoreBusy:
+            await asyncio.sleep(BUSY_RETRY_S)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
@@ -143,6 +154,7 @@ class BatchRunner:
         self.executor = executor
         self.limits = limits or BatchLimits()
         self.poll_s = poll_s
+        self._busy_since: float | None = None  # when the store was found locked by another process
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, dict[int, asyncio.Task]] = {}  # batch id -> line -> task
@@ -172,8 +184,16 @@ class BatchRunner:
         while True:
             try:
                 await self._tick()
+                if self._busy_since is not None:
+                    log.warning("the batch store is writable again after %.1fs", time.monotonic() - self._busy_since)
+                    self._busy_since = None
             except asyncio.CancelledError:
                 raise
+            except StoreBusy as exc:  # another process holds the database: try again a little later
+                if self._busy_since is None:
+                    self._busy_since = time.monotonic()
+                    log.warning("%s", exc)
+                await asyncio.sleep(BUSY_RETRY_S)
             except Exception:  # a bad tick must not stop every batch for good
                 log.exception("batch runner step failed")
             try:
@@ -259,27 +279,34 @@ class BatchRunner:
             try:
                 outcome = await self.executor.execute(tenant, line.url, line.body)
             except asyncio.CancelledError:
-                self.store.release(line)  # finalized as not run, or run again
+                self._release(line)  # finalized as not run, or run again
                 raise
             if outcome.retry and line.attempts < self.limits.max_attempts:
                 await asyncio.sleep(min(5.0, 0.5 * line.attempts))  # the engine is restarting
-                self.store.release(line)
+                await _settle(self.store.release, line)
                 self.lines_finished["rerun"] += 1
                 return
             result = self._result(line, outcome)
-            if self.store.finish(line, result):
+            if await _settle(self.store.finish, line, result):
                 self.lines_finished["ok" if result.ok else "error"] += 1
         except asyncio.CancelledError:
             pass
         except Exception:
             log.exception("batch %s line %d failed", line.batch_id, line.line)
-            self.store.release(line)
+            self._release(line)
         finally:
             lines = self._inflight.get(line.batch_id, {})
             lines.pop(line.line, None)
             if not lines:
                 self._inflight.pop(line.batch_id, None)
             self.wake()
+
+    def _release(self, line: Line) -> None:
+        try:
+            self.store.release(line)
+        except StoreBusy as exc:  # (not waited for: a stop must not wait on another process)
+            log.warning("batch %s line %d stays claimed until the store is opened again: %s", line.batch_id,
+                        line.line, exc)
 
     @staticmethod
     def _result(line: Line, o: LineOutcome) -> LineResult:

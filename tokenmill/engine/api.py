@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from tokenmill.config import (CacheConfig, EngineConfig, ModelOptions, RequestBounds, SchedulerConfig,
                               SpeculativeConfig)
 from tokenmill.engine.types import (CACHE_TTLS, GREEDY_BELOW, MAX_CACHE_PINS, POOLINGS, AdmissionError, CachePin,
-                                    Choice, EmbeddingSpec, EngineBusy, EngineDeadError, EngineStats, GenerationDefaults,
+                                    Choice, EmbeddingSpec, EngineBusy, EngineDeadError, EngineHungError, EngineStats,
+                                    GenerationDefaults,
                                     InvalidParameter, Priority, RequestOutput, RequestTimes, ResolvedParams,
                                     SamplingParams, Snapshot, SnapshotMismatch, StructuredOutput, TokenLogprob,
                                     split_snapshot_id, text_digest)
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdmissionError", "CACHE_TTLS", "CacheConfig", "CachePin", "Choice", "EmbeddingSpec", "EngineBusy",
-    "EngineClient", "EngineConfig", "EngineDeadError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults",
+    "EngineClient", "EngineConfig", "EngineDeadError", "EngineHungError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults",
     "InvalidParameter", "ModelHost", "ModelLease", "ModelOptions", "ModelUnavailable", "POOLINGS", "Priority",
     "RequestBounds", "RequestLimits", "RequestOutput", "RequestTimes", "ResolvedParams", "SamplingParams",
     "SchedulerConfig", "ServedModel", "Snapshot", "SnapshotMismatch", "SpeculativeConfig", "StructuredOutput",

@@ -10,6 +10,18 @@ The child never outlives this process: the kernel kills it when its parent dies
 open reaches end-of-file (the fallback where prctl is missing). If the child dies,
 the reader notices within `POLL_S`, every request in flight ends with an error, and
 a new child is started.
+
+A child that stops answering (SIGSTOP, a deadlock, a machine too starved to run it) is
+caught by a watchdog thread here: a thread of the child, not the one that steps,
+bumps a shared counter every `HEARTBEAT_S`; when neither that counter nor a message
+from the child has moved for `EngineConfig.hang_timeout_s`, the child is killed, its
+requests end with `EngineHungError`, and a new child is started (one that hangs while
+it loads fails the start, or the restart: the server then exits 3 for its supervisor).
+A long step does not
+look hung: the step releases the GIL in torch's and our fused kernels, and the native
+calls that keep it (one layer's attention) last milliseconds, so the heartbeat keeps
+moving; the default bound (10 s) is there for a machine so loaded that the heartbeat
+thread waits seconds for a core, and is still far below any client's timeout.
 """
 
 from __future__ import annotations
@@ -23,11 +35,12 @@ import queue
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.types import EngineDeadError
+from tokenmill.engine.types import EngineDeadError, EngineHungError
 from tokenmill.engine.front import (AbortCommand, AddCommand, EngineFront, generation_defaults, refusal, refused_error,
                                     run_commands)
 from tokenmill.model.metadata import load_model_info
@@ -36,6 +49,8 @@ from tokenmill.model.snapshot import model_snapshot
 log = logging.getLogger("tokenmill.engine")
 _STOP = "stop"
 POLL_S = 0.2  # how often the reader checks that the child is alive while it is silent
+HEARTBEAT_S = 0.5  # how often a thread of the child proves that the process runs
+LOAD_HANG_FACTOR = 3  # a loading child may be silent this many times the hang timeout
 _PR_SET_PDEATHSIG = 1
 
 
@@ -58,6 +73,12 @@ def _die_with_parent(parent_pid: int, lifeline: Any) -> None:
     threading.Thread(target=watch, name="tokenmill-lifeline", daemon=True).start()
 
 
+def _beat(beat: Any) -> None:
+    while True:
+        beat.value += 1
+        time.sleep(HEARTBEAT_S)
+
+
 def _take(cmds: list, item: Any) -> None:
     """A message is one command, or the list of them the front gave in one turn."""
     if isinstance(item, list):
@@ -66,9 +87,10 @@ def _take(cmds: list, item: Any) -> None:
         cmds.append(item)
 
 
-def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, parent_pid: int) -> None:
+def _child_main(config: EngineConfig, cmd_q: Any, out_q: Any, lifeline: Any, parent_pid: int, beat: Any) -> None:
     # (the requests it gets are resolved by the front: the child needs no generation defaults)
     _die_with_parent(parent_pid, lifeline)
+    threading.Thread(target=_beat, args=(beat,), name="tokenmill-heartbeat", daemon=True).start()
     # Ctrl-C, or a service manager's SIGTERM, goes to the whole process group: the
     # parent drains its requests and then stops this child itself. Dying on the signal
     # would fail the requests being drained and have the parent restart the engine.
@@ -127,8 +149,11 @@ class _Child:
     cmd_q: Any
     out_q: Any
     lifeline: Any  # the write end: the child sees end-of-file when this process dies
+    beat: Any  # a shared counter the child's heartbeat thread bumps (the watchdog reads it)
     reader: threading.Thread | None = None
     closed: bool = False
+    hung: bool = False  # the watchdog killed it: the reader reports nothing of its death
+    last_message: float = 0.0  # when the reader last got a message from it (time.monotonic)
 
 
 class ProcessEngine(EngineFront):
@@ -177,11 +202,12 @@ class ProcessEngine(EngineFront):
         ctx = self._ctx
         cmd_q, out_q = ctx.Queue(), ctx.Queue()
         theirs, ours = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child_main, args=(self.config, cmd_q, out_q, theirs, os.getpid()),
+        beat = ctx.Value("Q", 0, lock=False)  # one writer (the child's heartbeat), one reader
+        proc = ctx.Process(target=_child_main, args=(self.config, cmd_q, out_q, theirs, os.getpid(), beat),
                            name="tokenmill-engine", daemon=True)
         proc.start()  # from the main or the event loop's thread: PDEATHSIG follows the thread that forked
         theirs.close()
-        child = _Child(proc, cmd_q, out_q, ours)
+        child = _Child(proc, cmd_q, out_q, ours, beat)
         self._child = child
         return child
 
@@ -198,15 +224,28 @@ class ProcessEngine(EngineFront):
         child.reader = threading.Thread(target=self._read, args=(child,), name="tokenmill-engine-reader",
                                         daemon=True)
         child.reader.start()
+        if self.config.hang_timeout_s > 0:
+            threading.Thread(target=self._watch, args=(child,), name="tokenmill-engine-watchdog",
+                             daemon=True).start()
 
-    @staticmethod
-    def _first_message(child: _Child) -> tuple:
+    def _first_message(self, child: _Child) -> tuple:
+        # While it loads, the watchdog's bound is tripled: imports and loading hold the
+        # GIL for longer stretches than a step (a library's dlopen).
+        hang_s = LOAD_HANG_FACTOR * self.config.hang_timeout_s
+        last_beat, alive_at = child.beat.value, time.monotonic()
         while True:
             try:
                 return child.out_q.get(timeout=POLL_S)
             except queue.Empty:
                 if not child.proc.is_alive():
                     return ("failed", f"exit code {child.proc.exitcode}")
+                now = time.monotonic()
+                if child.beat.value != last_beat:
+                    last_beat, alive_at = child.beat.value, now
+                elif hang_s > 0 and now - alive_at > hang_s:
+                    child.proc.kill()
+                    return ("failed", f"it showed no sign of life for {now - alive_at:.1f}s while loading "
+                                      "(stopped or stuck)")
 
     async def _restart_loop(self) -> None:
         old = self._child
@@ -272,15 +311,16 @@ class ProcessEngine(EngineFront):
             try:
                 msg = child.out_q.get(timeout=POLL_S)
             except queue.Empty:
-                if child.closed:
+                if child.closed or child.hung:
                     return
                 if child.proc.is_alive():
                     continue
                 msg = ("failed", f"the engine process exited (code {child.proc.exitcode})")
             except (EOFError, OSError):
                 msg = ("failed", "the engine process's queue broke")
-            if msg is None or child.closed:
+            if msg is None or child.closed or child.hung:
                 return
+            child.last_message = time.monotonic()
             if msg[0] == "failed":
                 error = EngineDeadError(f"engine process failed: {msg[1]}")
                 log.error("%s", error)
@@ -292,3 +332,27 @@ class ProcessEngine(EngineFront):
                 loop.call_soon_threadsafe(self._fail, rid, refused_error(*why))
             if outputs:
                 loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _watch(self, child: _Child) -> None:
+        """Kill a child that shows no sign of life for `hang_timeout_s` (see the module's
+        docstring) and have it replaced, its requests ended with EngineHungError."""
+        timeout = self.config.hang_timeout_s
+        loop = self._loop
+        assert loop is not None
+        last_beat, alive_at = child.beat.value, time.monotonic()
+        while not child.closed:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            beat = child.beat.value
+            if beat != last_beat or child.last_message > alive_at:
+                last_beat, alive_at = beat, now
+                continue
+            if now - alive_at < timeout or child.closed or not child.proc.is_alive():
+                continue  # (a dead child is the reader's to report)
+            child.hung = True
+            child.proc.kill()  # SIGKILL ends a stopped process too
+            error = EngineHungError(f"the engine process (pid {child.proc.pid}) showed no sign of life for "
+                                    f"{now - alive_at:.1f}s (stopped or stuck); it was killed and is being replaced")
+            log.error("%s", error)
+            loop.call_soon_threadsafe(self._on_death, error)
+            return

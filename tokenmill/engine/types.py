@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AdmissionError", "CACHE_TTLS", "CachePin", "Choice", "EmbeddingSpec", "EngineBusy", "EngineDeadError",
-    "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "POOLINGS", "Priority", "RequestOutput",
+    "EngineHungError", "EngineStats", "GREEDY_BELOW", "GenerationDefaults", "InvalidParameter", "POOLINGS", "Priority", "RequestOutput",
     "RequestTimes", "ResolvedParams", "SamplingParams", "Snapshot", "SnapshotMismatch", "StructuredOutput",
     "TokenLogprob", "split_snapshot_id", "text_digest",
 ]
@@ -43,6 +43,11 @@ class EngineBusy(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine stopped; requests in flight cannot complete."""
+
+
+class EngineHungError(EngineDeadError):
+    """The engine stopped answering (its process stopped or stuck): it was killed and is
+    being replaced; requests in flight cannot complete."""
 
 
 class SnapshotMismatch(LookupError):

@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.api import (AdmissionError, EngineBusy, EngineDeadError, InvalidParameter, ModelUnavailable,
-                                  UnknownModel)
+from tokenmill.batch.store import StoreBusy
+from tokenmill.engine.api import (AdmissionError, EngineBusy, EngineDeadError, EngineHungError, InvalidParameter,
+                                  ModelUnavailable, UnknownModel)
 
 log = logging.getLogger("tokenmill.server")
 
@@ -86,6 +87,10 @@ def as_api_error(exc: Exception) -> APIError | None:
     if isinstance(exc, ModelUnavailable):
         headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
         return APIError(503, str(exc), param="model", code=exc.code, headers=headers)
+    if isinstance(exc, StoreBusy):
+        return APIError(503, str(exc), code="store_busy", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineHungError):  # (a restart follows: a retry finds the new engine)
+        return APIError(503, str(exc), code="engine_hung", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, (RequestValidationError, ValidationError)):
@@ -101,6 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineBusy)
     @app.exception_handler(UnknownModel)
     @app.exception_handler(ModelUnavailable)
+    @app.exception_handler(StoreBusy)
     @app.exception_handler(RequestValidationError)
     async def _client_error(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()

@@ -248,11 +248,38 @@ def _cluster_engine(options: ServeOptions, config: EngineConfig) -> EngineClient
 def run_server(app: FastAPI, options: ServeOptions) -> None:
     """Serve `app` until a signal (exit 0 after the drain) or an engine that cannot be
     restarted (exit 3)."""
+    from tokenmill.server.connections import ConnectionLimits, guarded_protocol
+
     # json logs: keep the root logger's handlers (JSON lines) for uvicorn's loggers too
     extra = {"log_config": None} if options.log_format == "json" else {}
+    limits = ConnectionLimits(_room_for_connections(options.max_connections), options.header_timeout,
+                              options.write_timeout)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=5, lifespan="on", **extra)
+                            access_log=False, timeout_graceful_shutdown=5, lifespan="on",
+                            http=guarded_protocol(limits, app.state.metrics.observe_cut), **extra)
     server = GracefulServer(config, app, options.shutdown_timeout)
+    app.state.metrics.connections.set_function(lambda: len(server.server_state.connections))
     server.run()
     if server.exit_code:
         sys.exit(server.exit_code)
+
+
+_FD_RESERVE = 256  # descriptors beside the connections: model files, SQLite, the engine's pipes, logs
+
+
+def _room_for_connections(cap: int) -> int:
+    """The connection cap the descriptor limit allows, raising the soft limit toward the
+    hard one first: a process out of descriptors cannot accept at all, so the cap (which
+    closes idle connections to admit new ones) must bind before the limit does."""
+    import resource
+
+    want = cap + _FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning("--max-connections %d lowered to %d: the descriptor limit is %d", cap,
+                    max(1, soft - _FD_RESERVE), soft)
+        return max(1, soft - _FD_RESERVE)
+    return cap

@@ -205,6 +205,13 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.responses = Counter("tokenmill_http_responses", "HTTP responses by status code.",
                                  ["status_code"], registry=r)
+        self.aborted = Counter("tokenmill_aborted_requests", "Requests the server cut off, by reason (slow_client: "
+                               "its client read nothing for --write-timeout).", ["reason"], registry=r)
+        self.connections = Gauge("tokenmill_http_connections", "Open HTTP connections (idle ones included).",
+                                 registry=r)
+        self.connections_closed = Counter("tokenmill_connections_closed", "Connections the server closed to "
+                                          "protect itself, by reason: header_timeout, write_stall, connection_cap "
+                                          "(refused), evicted_idle (closed to make room).", ["reason"], registry=r)
         self.cost = Counter("tokenmill_cost_usd", "Priced cost of requests in USD.", ["tenant", "model"],
                             registry=r)
         self.alarm_raised = Counter("tokenmill_spend_alarms", "Times a spend alarm was raised, by scope "
@@ -260,6 +267,12 @@ class Metrics:
         self.generation_tokens.inc(out.num_output_tokens)
         self.reasoning_tokens.inc(out.num_reasoning_tokens)
         self.requests.labels(finish_reason=out.finish_reason or "unknown").inc()
+
+    def observe_cut(self, reason: str, in_flight: bool) -> None:
+        """A connection closed by its guards (server/connections.py)."""
+        self.connections_closed.labels(reason=reason).inc()
+        if in_flight and reason == "write_stall":
+            self.aborted.labels(reason="slow_client").inc()
 
     def observe_loop_lag(self, lag_s: float) -> None:
         self.loop_lag.set(lag_s)

@@ -83,6 +83,13 @@ class ServeOptions:
     quantization: str | None = option(None, "--quantization", QUANT_HELP)
     host: str = option("127.0.0.1", "--host")
     port: int = option(8000, "--port")
+    max_connections: int = option(2048, "--max-connections",
+                                  "Open connections; past it a new one closes the longest-idle one (none idle: 503).")
+    header_timeout: float = option(10.0, "--header-timeout",
+                                   "Seconds a connection has to send a request's headers (then 408 and closed).")
+    write_timeout: float = option(
+        30.0, "--write-timeout", "Seconds a response may wait on a client that reads nothing (its send buffer full) "
+                                 "before the connection is dropped and its request aborted.")
     served_model_name: str | None = option(None, "--served-model-name",
                                            "Model id to serve (default: the model's name).")
     lora: list[str] | None = option(
@@ -190,6 +197,10 @@ class ServeOptions:
     engine_mode: str = option("process", "--engine",
                               "Where the step loop runs: process (a child process; measured faster) or thread.",
                               only="serve")
+    engine_hang_timeout: float = option(
+        10.0, "--engine-hang-timeout",
+        "Seconds the engine process may show no sign of life (a heartbeat from a thread of its own, or output) "
+        "before it is declared hung: killed, its requests ended (503 engine_hung) and a new one started; 0: never.")
     log_level: str = option("info", "--log-level")
     log_format: str = option("text", "--log-format",
                              "text, or json: one JSON object per line with request and trace ids, and a line per "
@@ -255,6 +266,10 @@ class ServeOptions:
             raise OptionError(f"--capture must be off, all or keys, got {self.capture!r}")
         if not (self.capture_retention_days > 0 and self.capture_max_mb > 0):
             raise OptionError("--capture-retention-days and --capture-max-mb must be positive")
+        if self.max_connections < 1 or not (self.header_timeout > 0 and self.write_timeout > 0):
+            raise OptionError("--max-connections, --header-timeout and --write-timeout must be positive")
+        if not self.engine_hang_timeout >= 0:
+            raise OptionError("--engine-hang-timeout must be 0 (off) or a positive number of seconds")
         if self.engine_mode not in ENGINE_MODES:
             raise OptionError(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}")
         self._check_cluster()
@@ -359,6 +374,7 @@ class ServeOptions:
             num_threads=self.num_threads,
             bounds=RequestBounds(max_n=self.max_n, max_body_bytes=int(self.max_body_mb * 1024 * 1024)),
             lora=self.lora_config(),
+            hang_timeout_s=self.engine_hang_timeout,
         )
 
     def lora_config(self) -> LoraConfig:

@@ -374,9 +374,7 @@ async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield c
     except APIError as exc:
         yield exc.sse()
-    except EngineDeadError as exc:
-        yield APIError(503, str(exc), code="engine_unavailable").sse()
-    except ModelUnavailable as exc:
+    except (EngineDeadError, ModelUnavailable) as exc:
         yield as_api_error(exc).sse()
     except InvalidParameter as exc:
         yield APIError(400, str(exc), param=exc.param).sse()

@@ -9,11 +9,17 @@ on (`serve --otlp-traces-endpoint`).
 
 Span attributes follow the OpenTelemetry GenAI semantic conventions (gen_ai.*), plus
 tokenmill.* for what those do not cover (tenant, cost, request ids, preemptions).
+
+A slow or dead collector never slows a request: a finished span only joins the batch
+processor's bounded queue (dropped when full), and its thread does the exporting. On
+shutdown the spans still queued get `FLUSH_S` to go out; a collector that accepts and
+never answers would otherwise hold the exit for each remaining batch's export timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +29,8 @@ from tokenmill.engine.api import Priority, RequestOutput, RequestTimes
 from tokenmill.server.stats import StatsWindow
 
 request_log = logging.getLogger("tokenmill.requests")
+log = logging.getLogger("tokenmill.server")
+FLUSH_S = 3.0  # how long the exit waits for batched spans to reach the collector
 
 
 def otlp_tracer_provider(endpoint: str, service_name: str = "tokenmill"):
@@ -63,8 +71,13 @@ class Telemetry:
         return trace
 
     def shutdown(self) -> None:
-        if self.provider is not None:
-            self.provider.shutdown()  # flushes spans still batched
+        if self.provider is None:
+            return
+        flush = threading.Thread(target=self.provider.shutdown, name="tokenmill-trace-flush", daemon=True)
+        flush.start()  # (exports the spans still batched)
+        flush.join(FLUSH_S)
+        if flush.is_alive():
+            log.warning("the trace collector did not take the last spans within %.0fs: they are dropped", FLUSH_S)
 
 
 class RequestTrace:
