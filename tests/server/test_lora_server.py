@@ -45,7 +45,10 @@ def adapters(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(adapters):
-    srv = ServerProcess("--lora", f"a1={adapters['a1']}", "--max-loras", "2", "--max-lora-rank", "16").wait_ready()
+    # the model priced at a provider's card, a1 at one of its own; a2 (loaded later) takes its base's
+    srv = ServerProcess("--lora", f"a1={adapters['a1']}", "--max-loras", "2", "--max-lora-rank", "16",
+                        "--model-price-card", f"{MODEL}=gpt-5.6-sol",
+                        "--model-price-card", "a1=tokenmill-default").wait_ready()
     yield srv
     srv.stop()
 
@@ -84,12 +87,47 @@ def test_load_and_unload_while_another_request_streams(served, adapters):
     assert info["rank"] == 8 and info["modules"] == ["q_proj", "v_proj"] and info["nbytes"] > 0
     model, text = _answer(client, "a2")
     assert model == "a2" and text != _answer(client, "a1")[1]
-    assert httpx.post(served.url + "/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 200
+    assert httpx.post(served.url + "/v1/unload_lora_adapter", json={"lora_name": "a2"}, timeout=60).status_code == 200
     with pytest.raises(openai.NotFoundError):
         _answer(client, "a2")
     t.join(timeout=120)
     assert not t.is_alive() and len("".join(streamed)) > 100  # the stream ran through it all
     assert "a2" not in {m.id for m in client.models.list().data}
+
+
+def test_each_model_and_adapter_is_priced_at_its_own_card(served, adapters):
+    """--model-price-card: usage.cost names the card of what answered (an adapter without
+    a card of its own: its base model's), and /v1/stats adds spend up by model."""
+    from tokenmill.cost import load_cards, price
+
+    cards = load_cards()
+
+    def cost(model: str) -> dict:
+        r = httpx.post(served.url + "/v1/completions", json={"model": model, "prompt": f"Price {model}:",
+                                                             "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    before = {m["model"]: m for m in httpx.get(served.url + "/v1/stats").json()["totals"]["models"]}
+    spent: dict[str, float] = {}
+    assert httpx.post(served.url + "/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": adapters["a2"]},
+                      timeout=60).status_code == 200
+    try:
+        for model, card in ((MODEL, "gpt-5.6-sol"), ("a1", "tokenmill-default"), ("a2", "gpt-5.6-sol")):
+            usage = cost(model)
+            assert usage["cost"]["card"] == card, (model, usage)
+            want = price(cards[card], input_tokens=usage["prompt_tokens"],
+                         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+                         output_tokens=usage["completion_tokens"])
+            assert usage["cost"]["total_usd"] == pytest.approx(float(want.total_usd))
+            spent[model] = usage["cost"]["total_usd"]
+    finally:
+        httpx.post(served.url + "/v1/unload_lora_adapter", json={"lora_name": "a2"}, timeout=60)
+    rows = {m["model"]: m for m in httpx.get(served.url + "/v1/stats").json()["totals"]["models"]}
+    for model, usd in spent.items():
+        was = before.get(model, {"cost_usd": 0.0, "samples": 0})
+        assert rows[model]["cost_usd"] - was["cost_usd"] == pytest.approx(usd)
+        assert rows[model]["samples"] - was["samples"] == 1
 
 
 def test_bad_adapters_are_refused_and_change_nothing(served, adapters, tmp_path):
@@ -141,7 +179,10 @@ def test_bad_lora_flags_are_refused_at_start(tmp_path, adapters):
     import sys
 
     for args, text in ((["--lora", "a1"], "NAME=PATH"), (["--lora", f"a={tmp_path / 'no'}"], "does not exist"),
-                       (["--lora", f"a={adapters['a1']}", "--lora", f"a={adapters['a2']}"], "twice")):
+                       (["--lora", f"a={adapters['a1']}", "--lora", f"a={adapters['a2']}"], "twice"),
+                       (["--model-price-card", "nobody=tokenmill-default"], "no model or adapter named 'nobody'"),
+                       (["--model-price-card", f"{MODEL}=no-such-card"], "unknown rate card"),
+                       (["--model-price-card", MODEL], "NAME=CARD")):
         r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--port", "1", *args],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and text in r.stderr + r.stdout, (args, r.stderr)

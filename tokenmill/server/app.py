@@ -61,6 +61,7 @@ class ServicePolicy:
     defaults: TenantLimits = field(default_factory=TenantLimits)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     card: object | None = None  # tokenmill.cost.RateCard used for usage.cost (None: no pricing)
+    model_cards: dict = field(default_factory=dict)  # a model's or adapter's own RateCard, by name
     batch_store: object | None = None  # tokenmill.batch.store.BatchStore (None: no Batch API)
     batch: BatchLimits = field(default_factory=BatchLimits)
     server_alarm: object | None = None  # tokenmill.cost.SpendAlarm over all tenants' spend (None: none)
@@ -120,7 +121,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     if policy.card is not None:
         from tokenmill.server.pricing import Pricer
 
-        pricer = Pricer(policy.card, model_name, metrics, gate.ledger)
+        pricer = Pricer(policy.card, model_name, metrics, gate.ledger, policy.model_cards, engine.served)
     idempotency = IdempotencyStore()
     telemetry = Telemetry(StatsWindow(), model_name, tracer_provider)
     tuner = None

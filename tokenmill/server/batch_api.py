@@ -97,7 +97,7 @@ class ServerLineExecutor:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         cost, card = Decimal(0), None
         if self.pricer is not None and usage:
-            c = self.pricer.cost(usage, batch=True)
+            c = self.pricer.cost(usage, batch=True, model=ctx.model)
             cost, card = c.total_usd, c.card
         return LineOutcome(200, answer, request_id, input_tokens=usage.get("prompt_tokens", 0), cached_tokens=cached,
                            output_tokens=usage.get("completion_tokens", 0), cost_usd=cost, cost_card=card,

@@ -76,6 +76,10 @@ def build_server(options: ServeOptions) -> FastAPI:
     for name in engine.model_names():
         if engine.served(name).tokenizer is None:
             raise OptionError(f"the model {name!r} has no tokenizer; the server needs one")
+    for name in policy.model_cards:
+        if name not in engine.model_names():
+            raise OptionError(f"--model-price-card: no model or adapter named {name!r} is served; served: "
+                              f"{', '.join(engine.model_names())}")
     config = ServerConfig(host=options.host, port=options.port,
                           shutdown_timeout_s=options.shutdown_timeout, chat_template=template,
                           reasoning_parser=options.reasoning_parser, aliases=_aliases(options, engine))
@@ -174,8 +178,18 @@ def _policy(options: ServeOptions) -> ServicePolicy:
         if o.price_card not in card_set:
             raise OptionError(f"unknown rate card {o.price_card!r}; known: {', '.join(sorted(card_set))}")
         card = card_set[o.price_card]
+        model_cards = {}
+        for spec in o.model_price_card or ():
+            name, sep, card_name = spec.partition("=")
+            if not sep or not name or not card_name:
+                raise OptionError(f"--model-price-card {spec!r}: expected NAME=CARD")
+            if card_name not in card_set:
+                raise OptionError(f"--model-price-card {spec!r}: unknown rate card {card_name!r}; known: "
+                                  f"{', '.join(sorted(card_set))}")
+            model_cards[name] = card_set[card_name]
         if o.usd_per_hour is not None:
             card = with_machine(card, usd_per_hour=o.usd_per_hour)
+            model_cards = {n: with_machine(c, usd_per_hour=o.usd_per_hour) for n, c in model_cards.items()}
         defaults = TenantLimits(max_prompt_tokens=o.max_prompt_tokens, max_output_tokens=o.max_output_tokens,
                                 max_work_tokens=o.max_work_tokens)
     except (CardError, ValueError) as exc:
@@ -196,7 +210,8 @@ def _policy(options: ServeOptions) -> ServicePolicy:
             alarm = SpendAlarm(o.spend_alarm_usd, o.spend_alarm_window, o.spend_alarm_block)
         except ValueError as exc:
             raise OptionError(f"--spend-alarm-usd/--spend-alarm-window: {exc}") from None
-    return ServicePolicy(keys=keys, defaults=defaults, card=card, batch_store=batch_store, server_alarm=alarm,
+    return ServicePolicy(keys=keys, defaults=defaults, card=card, model_cards=model_cards, batch_store=batch_store,
+                         server_alarm=alarm,
                          batch=BatchLimits(max_inflight=o.batch_inflight, max_lines=o.batch_max_lines,
                                            max_file_bytes=int(o.batch_max_file_mb * 1e6)),
                          admission=AdmissionConfig(max_waiting_interactive=o.max_waiting,

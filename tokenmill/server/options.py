@@ -154,6 +154,9 @@ class ServeOptions:
     max_body_mb: float = option(8.0, "--max-body-mb", "Largest request body in MiB; larger: 413.")
     max_waiting_batch: int = option(4096, "--max-waiting-batch", "Batch requests that may wait.")
     price_card: str = option("tokenmill-default", "--price-card", "Rate card for usage.cost.")
+    model_price_card: list[str] | None = option(
+        None, "--model-price-card", "A served model's or adapter's own rate card, as NAME=CARD; repeat for more. "
+                                    "Others use --price-card; an adapter without one, its base model's.")
     cards: str | None = option(None, "--cards", "Rate card file or folder (default: shipped).")
     usd_per_hour: float | None = option(None, "--usd-per-hour", "This machine's cost, for a self-hosted card.")
     spend_alarm_usd: float | None = option(

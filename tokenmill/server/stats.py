@@ -231,6 +231,13 @@ def registry_totals(metrics: Metrics) -> dict[str, Any]:
     by_reason: dict[str, int] = {}
     by_status: dict[str, int] = {}
     cost = 0.0
+    models: dict[str, dict[str, Any]] = {}
+    model_fields = {"tokenmill_model_requests_total": "samples", "tokenmill_model_prompt_tokens_total": "prompt_tokens",
+                    "tokenmill_model_generation_tokens_total": "generation_tokens"}
+
+    def model_row(name: str) -> dict[str, Any]:
+        return models.setdefault(name, {"samples": 0, "prompt_tokens": 0, "generation_tokens": 0, "cost_usd": 0.0})
+
     for family in reg.collect():
         for sample in family.samples:
             if sample.name == "tokenmill_requests_total":
@@ -239,6 +246,9 @@ def registry_totals(metrics: Metrics) -> dict[str, Any]:
                 by_status[sample.labels["status_code"]] = int(sample.value)
             elif sample.name == "tokenmill_cost_usd_total":
                 cost += sample.value
+                model_row(sample.labels["model"])["cost_usd"] += sample.value
+            elif sample.name in model_fields:
+                model_row(sample.labels["model"])[model_fields[sample.name]] = int(sample.value)
     return {
         "prompt_tokens": int(value("tokenmill_prompt_tokens_total")),
         "cached_prompt_tokens": int(value("tokenmill_cached_prompt_tokens_total")),
@@ -246,4 +256,6 @@ def registry_totals(metrics: Metrics) -> dict[str, Any]:
         "samples_by_finish_reason": by_reason,
         "responses_by_status": by_status,
         "cost_usd": cost,
+        # by the model or LoRA adapter requests named (its spend priced at its own card)
+        "models": [{"model": name, **row} for name, row in sorted(models.items())],
     }
