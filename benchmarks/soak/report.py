@@ -58,7 +58,7 @@ def _f(v: Optional[float], fmt: str = ".0f") -> str:
 def table(samples: list[dict]) -> str:
     head = ("| t (min) | RSS server / engine / all (MiB) | fds | threads | KV blocks idle | data dir / SQLite (MiB) "
             "| client loop lag p99 / max (ms) | server loop lag max (ms) | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) "
-            "| requests | not ok (by kind) |")
+            "| ok | other outcomes |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in samples:
         p = s["processes"]
