@@ -78,8 +78,12 @@ def test_engine_errors_outside_a_fault_are_failures() -> None:
     caught = _o("engine_fault", 99.0, 100.1)
     late = _o("engine_fault", 110.0, 110.5)  # after the first good answer and its grace
     fine = _o("ok", 99.5, 101.0)
-    settle([fault], [caught, late, fine])
+    batch = _o("engine_fault", 90.0, 130.0, kind="batch")  # a batch overlapping the fault: lines failed by it
+    stray = _o("engine_fault", 120.0, 150.0, kind="batch")
+    settle([fault], [caught, late, fine, batch, stray])
     assert caught.status == "engine_fault" and late.status == "engine_fault_unexplained"
+    assert batch.status == "engine_fault" and stray.status == "engine_fault_unexplained"
+    assert fault["batches_failed"] == 1
     assert fault["caught"] == 2 and fault["caught_errors"] == 1 and fault["caught_end_max_s"] == pytest.approx(1.0)
 
 
@@ -103,6 +107,10 @@ def test_batch_judge() -> None:
         == "wrong_answer"
     assert judge(_client(refs), which, [_line("b-0", "Paris.", "r0"), _line("b-1", "Paris.", "r0")], [])[0] \
         == "duplicate"  # one response id twice
+    dead = {"custom_id": "b-1", "response": {"status_code": 503, "body": {"error": {"code": "engine_unavailable"}}}}
+    assert judge(_client(refs), which, [_line("b-0", "Paris.", "r0"), dead], [])[0] == "engine_fault"
+    odd = {"custom_id": "b-1", "response": {"status_code": 500, "body": {"error": {"code": "server_error"}}}}
+    assert judge(_client(refs), which, [_line("b-0", "Paris.", "r0")], [odd])[0] == "batch_line_error"
 
 
 def _sse(*events: str) -> bytes:

@@ -15,7 +15,7 @@ import httpx
 
 from benchmarks.soak.probe import engine_pid
 from benchmarks.soak.report import FAULT_RECOVERY_BOUND_S
-from benchmarks.soak.traffic import answer_of
+from benchmarks.soak.traffic import answer_of, error_code
 
 PROBE_EVERY_S = 0.2
 # Errors from the engine's death are expected from the kill until this long after the first
@@ -34,9 +34,10 @@ async def kill_engine(http: httpx.AsyncClient, pgid: int, t0: float, key: str,
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     f: dict[str, Any] = {"t_s": killed - t0, "kill_at": killed, "pid": pid, "ready_s": None, "recovered_s": None,
-                         "detected_s": None, "probe_errors": {}, "probe_mismatch": None}
+                         "detected_s": None, "probe_log": [], "probe_mismatch": None}
     path, body, want = probe
     headers = {"Authorization": f"Bearer {key}"}
+    sent = 0.0
     while time.monotonic() - killed < FAULT_RECOVERY_BOUND_S + 10:
         try:
             if f["ready_s"] is None:
@@ -45,17 +46,20 @@ async def kill_engine(http: httpx.AsyncClient, pgid: int, t0: float, key: str,
                     f["detected_s"] = time.monotonic() - killed
                 elif ready and f["detected_s"] is not None:
                     f["ready_s"] = time.monotonic() - killed
+            sent = time.monotonic() - killed
             r = await http.post(path, json=body, headers=headers, timeout=30)
             if r.status_code == 200:
                 got = answer_of(path, r.json()["choices"])
                 if got == want:
                     f["recovered_s"] = time.monotonic() - killed
+                    f["probe_log"].append([round(sent, 2), round(f["recovered_s"], 2), "ok"])
                     break
                 f["probe_mismatch"] = f"{got!r} against the reference {want!r}"
             else:
-                f["probe_errors"][str(r.status_code)] = f["probe_errors"].get(str(r.status_code), 0) + 1
-        except httpx.HTTPError as exc:
-            f["probe_errors"][type(exc).__name__] = f["probe_errors"].get(type(exc).__name__, 0) + 1
+                f["probe_log"].append([round(sent, 2), round(time.monotonic() - killed, 2),
+                                       f"{r.status_code} {error_code(r.json())}"])
+        except (httpx.HTTPError, ValueError) as exc:
+            f["probe_log"].append([round(sent, 2), round(time.monotonic() - killed, 2), type(exc).__name__])
         await asyncio.sleep(PROBE_EVERY_S)
     f["new_pid"] = engine_pid(pgid)
     return f
@@ -73,8 +77,15 @@ def settle(faults: list[dict], outcomes: list[Any]) -> None:
         f["caught"] = len(caught)
         f["caught_errors"] = sum(o.status == "engine_fault" for o in caught)
         f["caught_end_max_s"] = max((o.end - k for o in caught), default=None)
+    for f in faults:
+        k = f["kill_at"]
+        f["batches_failed"] = sum(o.kind == "batch" and o.status == "engine_fault" and o.start < k < o.end
+                                  for o in outcomes)
     for o in outcomes:
-        if o.status == "engine_fault" and not any(a <= o.end <= b for a, b in windows):
+        # a live request must end in the window; a batch (minutes long) must overlap it
+        explained = any((a <= o.end <= b) if o.kind != "batch" else (o.start <= b and o.end >= a)
+                        for a, b in windows)
+        if o.status == "engine_fault" and not explained:
             o.status = "engine_fault_unexplained"
 
 

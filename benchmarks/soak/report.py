@@ -82,7 +82,8 @@ def summary(outcomes: list[Any], faults: list[dict], why: list[str], minutes: fl
     for f in faults:
         lines.append(f"fault: engine SIGKILL at {f['t_s']:.0f} s: /ready 503 after {_f(f.get('detected_s'), '.1f')} s, ready again after {_f(f.get('ready_s'), '.1f')} s, "
                      f"first good answer after {_f(f.get('recovered_s'), '.1f')} s; {f['caught']} requests caught, "
-                     f"ended within {_f(f.get('caught_end_max_s'), '.2f')} s ({f['caught_errors']} with an error)")
+                     f"ended within {_f(f.get('caught_end_max_s'), '.2f')} s ({f['caught_errors']} with an error); "
+                     f"{f.get('batches_failed', 0)} batches with lines failed by it")
     lines.append("verdict: " + ("PASS" if not why else "FAIL: " + "; ".join(why)))
     return "\n".join(lines)
 

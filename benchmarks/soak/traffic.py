@@ -121,9 +121,15 @@ class Client:
     rng: random.Random
     prompts: int
 
+    deck: list[str] = field(default_factory=list)
+
     def pick(self) -> str:
-        kinds, weights = zip(*MIX.items())
-        return self.rng.choices(kinds, weights)[0]
+        """The next kind from a shuffled deck of MIX (each kind its weight's number of
+        cards), so even a short run sends every kind."""
+        if not self.deck:
+            self.deck = [k for k, w in MIX.items() for _ in range(w)]
+            self.rng.shuffle(self.deck)
+        return self.deck.pop()
 
     async def one(self, kind: str, tenant: str, key: str) -> Outcome:
         """Run one request of `kind` to its end and record it (also when the run cancels it)."""
