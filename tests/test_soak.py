@@ -88,7 +88,8 @@ def test_engine_errors_outside_a_fault_are_failures() -> None:
 
 
 def _client(refs: dict) -> Client:
-    return Client(http=None, refs=refs, bodies={}, ledger=Ledger(), rng=random.Random(0), prompts=1)  # type: ignore[arg-type]
+    return Client(http=None, refs=refs, bodies={}, ledger=Ledger(),  # type: ignore[arg-type]
+                  rng=random.Random(0), prompts=1)
 
 
 def _line(cid: str, text: str, rid: str) -> dict:

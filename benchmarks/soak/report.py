@@ -76,11 +76,13 @@ def table(samples: list[dict]) -> str:
 def summary(outcomes: list[Any], faults: list[dict], why: list[str], minutes: float) -> str:
     by = Counter(o.status for o in outcomes)
     kinds = Counter(o.kind for o in outcomes)
-    lines = [f"requests: {len(outcomes)} in {minutes:.1f} min ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})",
+    per_kind = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+    lines = [f"requests: {len(outcomes)} in {minutes:.1f} min ({per_kind})",
              f"outcomes: {', '.join(f'{k} {v}' for k, v in sorted(by.items()))}",
              f"unexpected: {sum(v for k, v in by.items() if k not in EXPECTED)}"]
     for f in faults:
-        lines.append(f"fault: engine SIGKILL at {f['t_s']:.0f} s: /ready 503 after {_f(f.get('detected_s'), '.1f')} s, ready again after {_f(f.get('ready_s'), '.1f')} s, "
+        lines.append(f"fault: engine SIGKILL at {f['t_s']:.0f} s: /ready 503 after {_f(f.get('detected_s'), '.1f')} s, "
+                     f"ready again after {_f(f.get('ready_s'), '.1f')} s, "
                      f"first good answer after {_f(f.get('recovered_s'), '.1f')} s; {f['caught']} requests caught, "
                      f"ended within {_f(f.get('caught_end_max_s'), '.2f')} s ({f['caught_errors']} with an error); "
                      f"{f.get('batches_failed', 0)} batches with lines failed by it")

@@ -40,7 +40,6 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -118,7 +117,8 @@ class Soak:
         outcomes = self.client.ledger.outcomes
         window, self.seen_outcomes = outcomes[self.seen_outcomes:], len(outcomes)
         s = {"t_s": t_q - t0, "processes": procs, "rss_mib": sum(p["rss_mib"] for p in procs.values()),
-             "fds": int(sum(p["fds"] for p in procs.values())), "threads": int(sum(p["threads"] for p in procs.values())),
+             "fds": int(sum(p["fds"] for p in procs.values())),
+             "threads": int(sum(p["threads"] for p in procs.values())),
              "kv_blocks_idle": m.get("tokenmill_kv_blocks_used") if idle else None,
              "kv_blocks_total": m.get("tokenmill_kv_blocks_total"), "data_mib": data_mib, "sqlite_mib": sqlite_mib,
              "client_lag": self.lag.take(),
@@ -204,7 +204,8 @@ class Soak:
             if at is not None:
                 extra.append(asyncio.ensure_future(self.fault(t0, at)))
         while time.monotonic() < end:
-            await asyncio.sleep(max(0.0, min(a.sample_s - (time.monotonic() - t0) % a.sample_s, end - time.monotonic())))
+            to_next = a.sample_s - (time.monotonic() - t0) % a.sample_s
+            await asyncio.sleep(max(0.0, min(to_next, end - time.monotonic())))
             if time.monotonic() < end - 1:
                 self.print_row(await self.sample(t0))
         self.stop.set()
@@ -244,7 +245,8 @@ class Soak:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=60.0, help="traffic time (the reference run and drain come on top)")
+    ap.add_argument("--minutes", type=float, default=60.0,
+                    help="traffic time (the reference run and the drain come on top)")
     ap.add_argument("--sample-s", type=float, default=None,
                     help="seconds between samples (default 60, an eighth of a run shorter than 8 minutes)")
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop clients besides the capped and batch ones")
