@@ -42,7 +42,10 @@ QUICK = {
     "serving.cluster_sim": rf"\| 2 \| affinity \| {NUM} \|",
     "serving.batch_interference": r"aims: p99 TTFT ratio",
     "serving.model_swap": rf"both resident: {NUM} MiB against {NUM} MiB",
+    "soak.run": r"verdict: PASS",
 }
+# run with more than --quick by their own test, which also checks the QUICK pattern above
+ELSEWHERE = {"soak.run": "tests/test_soak.py (--quick --faults, its JSON judged)"}
 
 
 def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -52,7 +55,7 @@ def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedPr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", sorted(QUICK))
+@pytest.mark.parametrize("module", sorted(set(QUICK) - set(ELSEWHERE)))
 def test_quick_run(module: str) -> None:
     proc = run(module, "--quick")
     tail = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
@@ -62,7 +65,8 @@ def test_quick_run(module: str) -> None:
 
 def test_every_benchmark_has_a_quick_run() -> None:
     """A new benchmark script joins QUICK (or is a module the benchmarks share)."""
-    shared = {"race.peers", "race.table", "race.naive_server", "gpu.paged"}
+    shared = {"race.peers", "race.table", "race.naive_server", "gpu.paged", "soak.traffic", "soak.batches",
+              "soak.probe", "soak.faults", "soak.report"}
     found = {f"{p.parent.name}.{p.stem}" for p in ROOT.glob("benchmarks/*/*.py") if p.stem != "__init__"}
     assert found - shared - {"gpu.check"} == set(QUICK)
 
