@@ -6,7 +6,7 @@ embedded SmolLM2 in the serving default (bfloat16, its int4 blocks), written as 
 folders. Every request decodes greedily with ignore_eos, so each configuration runs the
 same number of tokens.
 
-    python -m benchmarks.engine.lora [--rank 16] [--rounds 3] [--tokens 128] [--quick]
+    python -m benchmarks.engine.lora [--rank 16] [--modules q_proj,v_proj] [--rounds 3] [--tokens 128] [--quick]
 
 Prints single-stream decode tok/s (base, one adapter), output tok/s at 16 concurrent
 streams (all base; 1, 4, 16 distinct adapters), the ratios to the base, an adapter's load
@@ -34,13 +34,13 @@ from tokenmill.model.loader import load_model
 from tokenmill.model.lora import MODULES, module_shapes
 
 
-def write_adapter(folder: Path, cfg, rank: int, seed: int) -> str:
+def write_adapter(folder: Path, cfg, rank: int, seed: int, modules: tuple[str, ...] = MODULES) -> str:
     folder.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
     shapes = module_shapes(cfg)
     tensors = {}
     for i in range(cfg.num_layers):
-        for m in MODULES:
+        for m in modules:
             part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             out, inp = shapes[m]
             key = f"base_model.model.model.layers.{i}.{part}.{m}"
@@ -48,7 +48,7 @@ def write_adapter(folder: Path, cfg, rank: int, seed: int) -> str:
             tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.02
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
-                                                            "target_modules": list(MODULES)}))
+                                                            "target_modules": list(modules)}))
     return str(folder)
 
 
@@ -73,6 +73,8 @@ def decode_rate(engine: LLMEngine, prompts: list[list[int]], models: list[str | 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--modules", default=",".join(MODULES),
+                    help="projections the adapters target (default all 7; PEFT's default is q_proj,v_proj)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=16)
@@ -84,7 +86,10 @@ def main() -> None:
     cfg = loaded.config
     root = Path(tempfile.mkdtemp(prefix="tokenmill-lora-"))
     counts = sorted({1, min(4, args.streams), args.streams})
-    paths = [(f"a{i}", write_adapter(root / f"a{i}", cfg, args.rank, i)) for i in range(max(counts))]
+    modules = tuple(m.strip() for m in args.modules.split(",") if m.strip())
+    if not modules or set(modules) - set(MODULES):
+        raise SystemExit(f"--modules: choose among {', '.join(MODULES)}")
+    paths = [(f"a{i}", write_adapter(root / f"a{i}", cfg, args.rank, i, modules)) for i in range(max(counts))]
     engine = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_gb=0.5),
                                             scheduler=SchedulerConfig(max_num_seqs=max(16, args.streams)),
                                             lora=LoraConfig((), max(counts), args.rank)))
@@ -104,7 +109,8 @@ def main() -> None:
             batch[name].append(decode_rate(engine, prompts, models, args.tokens))
     engine.close()
     med = statistics.median
-    print(f"LoRA rank {args.rank} on all 7 projections, {cfg.name}, bfloat16 + int4 blocks, "
+    print(f"LoRA rank {args.rank} on {'all 7 projections' if len(modules) == len(MODULES) else '+'.join(modules)}, "
+          f"{cfg.name}, bfloat16 + int4 blocks, "
           f"{args.tokens} tokens, median of {args.rounds} rounds")
     print("| configuration | output tok/s | vs base |")
     print("|---|---|---|")
