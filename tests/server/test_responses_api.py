@@ -144,6 +144,39 @@ def test_function_call_round_trip(alice):
     assert second.usage.input_tokens == c.usage.prompt_tokens
 
 
+def test_namespace_tools_and_hosted_ones_as_codex_sends_them(alice):
+    """Codex CLI groups tools in `namespace` tools and adds hosted ones (web_search): the
+    namespace's functions are offered under one flat name each and come back as a call with
+    `name` and `namespace` apart (Codex routes by both), which round-trips as input; a
+    hosted tool is left out, not refused."""
+    ns = {"type": "namespace", "name": "weather_v1", "description": "Weather tools.",
+          "tools": [{k: v for k, v in WEATHER.items()}]}
+    ask = "What is the weather in Oslo?"
+    forced = dict(model=MODEL, input=ask, tools=[ns, {"type": "web_search", "external_web_access": True}],
+                  temperature=0, max_output_tokens=60,
+                  tool_choice={"type": "function", "name": "get_weather", "namespace": "weather_v1"})
+    first = alice.responses.create(**forced)
+    calls = [i for i in first.output if i.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].namespace == "weather_v1", first.output
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
+    done = next(e for e in alice.responses.create(stream=True, **forced) if e.type == "response.output_item.done")
+    assert (done.item.name, done.item.namespace, done.item.arguments) == ("get_weather", "weather_v1",
+                                                                          calls[0].arguments)
+    back = [{"type": "function_call", "call_id": c.call_id, "name": c.name, "namespace": c.namespace,
+             "arguments": c.arguments} for c in calls]
+    result = [{"type": "function_call_output", "call_id": c.call_id, "output": "12 C, clear"} for c in calls]
+    second = alice.responses.create(model=MODEL, tools=[ns], temperature=0, max_output_tokens=8,
+                                    input=[{"role": "user", "content": ask}, *back, *result])
+    flat = {**CHAT_WEATHER, "function": {**CHAT_WEATHER["function"], "name": "weather_v1__get_weather"}}
+    c = chat(alice, [{"role": "user", "content": ask}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": x.call_id, "type": "function", "function": {"name": "weather_v1__get_weather",
+                                                           "arguments": x.arguments}} for x in calls]},
+        *[{"role": "tool", "tool_call_id": x.call_id, "content": "12 C, clear"} for x in calls]],
+        tools=[flat], max_tokens=8)
+    assert second.output_text == c.choices[0].message.content
+    assert second.usage.input_tokens == c.usage.prompt_tokens
+
+
 def test_previous_response_id_continues_from_the_cache(alice):
     first = alice.responses.create(model=MODEL, instructions=SYSTEM, temperature=0, max_output_tokens=8,
                                    input="Write one sentence about the sea.")
@@ -224,7 +257,8 @@ def test_another_tenants_ids_are_404(alice, bob):
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "x"}]}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"model": "gpt-x"}, "model"),

@@ -100,8 +100,11 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"role": "system" if role == "developer" else role,
                         "content": _content_text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
+            name = _str(item, "name", where)
+            if item.get("namespace") is not None:
+                name = flat_name(_str(item, "namespace", where), name)
             call = {"id": _str(item, "call_id", where), "type": "function", "function": {
-                "name": _str(item, "name", where), "arguments": _str(item, "arguments", where)}}
+                "name": name, "arguments": _str(item, "arguments", where)}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -117,23 +120,71 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# Tools the Responses API runs on OpenAI's side: a local model can run none of them, so a
+# client's request (Codex CLI sends web_search by default) is served without them, not refused.
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+                          "code_interpreter", "computer", "computer_use_preview", "image_generation", "mcp",
+                          "tool_search"})
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """The one name a namespace's function goes by in the chat prompt (chat tools have no
+    namespaces): `mcp__server__` + `status` as the client shows it, else joined by `__`."""
+    return namespace + name if namespace.endswith("_") else f"{namespace}__{name}"
+
+
+def _function(t: Any, where: str) -> dict[str, Any]:
+    if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+        raise APIError(400, f"{where}: expected a function tool ({{'type': 'function', 'name': ...}})",
+                       param="tools")
+    return t
+
+
+def namespaces(body: ResponsesRequest) -> dict[str, tuple[str, str]]:
+    """flat name -> (namespace, name) for every function inside a `namespace` tool."""
+    out = {}
+    for t in body.tools or []:
+        if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("name"), str):
+            for f in t.get("tools") or []:
+                if isinstance(f, dict) and isinstance(f.get("name"), str):
+                    out[flat_name(t["name"], f["name"])] = (t["name"], f["name"])
+    return out
+
+
 def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
-    """(chat tools, chat tool_choice): function tools only."""
+    """(chat tools, chat tool_choice): function tools, and the functions of namespace tools
+    under their flat names; hosted tools left out."""
     tools = None
     if body.tools:
         tools = []
         for i, t in enumerate(body.tools):
-            if t.get("type") != "function" or not isinstance(t.get("name"), str):
-                raise APIError(400, f"tools.{i}: only function tools ({{'type': 'function', 'name': ...}}) are "
-                                    "supported", param="tools")
-            fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-            tools.append({"type": "function", "function": fn})
+            kind = t.get("type")
+            if kind in HOSTED_TOOLS:
+                continue
+            if kind == "namespace":
+                if not isinstance(t.get("name"), str) or not isinstance(t.get("tools"), list):
+                    raise APIError(400, f"tools.{i}: a namespace tool has a name and a list of tools", param="tools")
+                members = [(flat_name(t["name"], f["name"]), f)
+                           for j, f in enumerate(t["tools"]) if _function(f, f"tools.{i}.tools.{j}")]
+            else:
+                if kind != "function" or not isinstance(t.get("name"), str):
+                    raise APIError(400, f"tools.{i}: tools of type {kind!r} are not supported (function and "
+                                        f"namespace tools run here; hosted ones, {', '.join(sorted(HOSTED_TOOLS))}, "
+                                        "are left out)", param="tools")
+                members = [(t["name"], t)]
+            for name, f in members:
+                fn = {"name": name, **{k: f[k] for k in ("description", "parameters") if f.get(k) is not None}}
+                tools.append({"type": "function", "function": fn})
+        tools = tools or None
     choice = body.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
                                 "'name': ...}", param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
+        name = choice["name"]
+        if isinstance(choice.get("namespace"), str):
+            name = flat_name(choice["namespace"], name)
+        choice = {"type": "function", "function": {"name": name}}
     return tools, choice
 
 
@@ -179,10 +230,16 @@ def message_item(mid: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+def call_item(call: dict[str, Any], spaces: dict[str, tuple[str, str]] | None = None,
+              status: str = "completed") -> dict[str, Any]:
+    """A function_call item; a namespace's function named as the API names it: `name` and
+    `namespace` apart (Codex routes a call by both)."""
     fn = call["function"]
-    return {"type": "function_call", "id": item_id("fc"), "call_id": call["id"], "name": fn["name"],
+    item = {"type": "function_call", "id": item_id("fc"), "call_id": call["id"], "name": fn["name"],
             "arguments": fn["arguments"], "status": status}
+    if spaces and fn["name"] in spaces:
+        item["namespace"], item["name"] = spaces[fn["name"]]
+    return item
 
 
 def finish_status(finish: str | None) -> tuple[str, dict[str, str] | None]:
@@ -192,14 +249,14 @@ def finish_status(finish: str | None) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def output_items(answer: dict[str, Any]) -> list[dict[str, Any]]:
+def output_items(answer: dict[str, Any], spaces: dict[str, tuple[str, str]] | None = None) -> list[dict[str, Any]]:
     choice = answer["choices"][0]
     msg = choice["message"]
     status = finish_status(choice["finish_reason"])[0]
     items = []
     if msg.get("content") or not msg.get("tool_calls"):
         items.append(message_item(item_id("msg"), msg.get("content") or "", status))
-    items += [call_item(c) for c in msg.get("tool_calls") or []]
+    items += [call_item(c, spaces) for c in msg.get("tool_calls") or []]
     return items
 
 

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.server.dialects.common import renamed
 from tokenmill.server.dialects.response_store import ResponseStore, StoredResponse
 from tokenmill.server.dialects.responses import (RENAMES, ResponsesRequest, finish_status, input_items,
-                                                 output_items, response_object, to_chat)
+                                                 namespaces, output_items, response_object, to_chat)
 from tokenmill.server.dialects.responses_stream import stream_events
 from tokenmill.server.errors import APIError, as_api_error
 from tokenmill.server.protocol import ChatCompletionRequest
@@ -72,14 +72,15 @@ class _Turn:
             if not chat_body.stream:
                 answer = await run_until_disconnected(raw, chat.complete(chat_body, ctx))
                 status, incomplete = finish_status(answer["choices"][0]["finish_reason"])
-                return JSONResponse(await self.finish(output_items(answer), status, answer["usage"], incomplete))
+                return JSONResponse(await self.finish(output_items(answer, namespaces(self.body)), status, answer["usage"], incomplete))
             chunks = await chat.open_stream(chat_body, ctx)
         except Exception as exc:  # a client's error, named as this dialect names the field
             err = renamed(exc, RENAMES)
             if err is exc:
                 raise
             raise err from None
-        return streaming_response(stream_events(chunks, self._object("in_progress"), self.finish, self.fail))
+        return streaming_response(stream_events(chunks, self._object("in_progress"), self.finish, self.fail,
+                                                namespaces(self.body)))
 
     async def _background(self, chat_body: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         work = await self.api.chat.begin(chat_body, ctx)  # refused now (400, 429), not later
@@ -98,7 +99,7 @@ class _Turn:
             await asyncio.to_thread(self.api.store.put, self.tenant, self._object("in_progress"), self.conversation)
             answer = await work
             status, incomplete = finish_status(answer["choices"][0]["finish_reason"])
-            await self.finish(output_items(answer), status, answer["usage"], incomplete)
+            await self.finish(output_items(answer, namespaces(self.body)), status, answer["usage"], incomplete)
         except asyncio.CancelledError:
             ctx.status_code = 499
             if self.rid in self.api.cancelling:

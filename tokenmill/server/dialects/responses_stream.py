@@ -28,9 +28,11 @@ class _Events:
 
 async def stream_events(chunks: AsyncIterator[dict[str, Any]], start: dict[str, Any],
                         finish: Callable[..., Awaitable[dict[str, Any]]],
-                        fail: Callable[..., Awaitable[dict[str, Any]]]) -> AsyncIterator[str]:
+                        fail: Callable[..., Awaitable[dict[str, Any]]],
+                        spaces: dict[str, tuple[str, str]] | None = None) -> AsyncIterator[str]:
     """`start`: the Response object in progress. `finish(output, status, chat usage,
-    incomplete_details)` and `fail(output, error)` build (and store) the final object."""
+    incomplete_details)` and `fail(output, error)` build (and store) the final object.
+    `spaces`: the request's namespaced functions by flat name (responses.namespaces)."""
     ev = _Events()
     output: list[dict[str, Any]] = []
     text: list[str] = []  # the open message's text
@@ -80,7 +82,7 @@ async def stream_events(chunks: AsyncIterator[dict[str, Any]], start: dict[str, 
                 for e in close_message() if msg_id is not None else []:
                     yield e
                 index = len(output)
-                done = call_item(call)
+                done = call_item(call, spaces)
                 yield ev("response.output_item.added", output_index=index,
                          item={**done, "arguments": "", "status": "in_progress"})
                 yield ev("response.function_call_arguments.delta", item_id=done["id"], output_index=index,
