@@ -66,6 +66,9 @@ class RequestContext:
     finalizers: list[Callable[[dict[str, Any] | None], None]] = field(default_factory=list)
     trace: Any = None  # tokenmill.server.telemetry.RequestTrace, when observed
     capture: Any = None  # tokenmill.server.capture.Recording, when the request is captured
+    route: Any = None  # tokenmill.server.traffic.Route: the rollout arm it was placed on, if any
+    params: Any = None  # the ResolvedParams it runs with, once prepared
+    observers: list[Callable[[RequestOutput], None]] = field(default_factory=list)  # see every engine output
     cost_usd: float | None = None  # what it was priced at (set by the pricer when it settles)
     status_code: int = 200  # the HTTP status it ended with
     _finished: bool = False
@@ -125,7 +128,8 @@ class BaseServing:
         name, pin = split_snapshot_id(target) if target is not None else (None, None)
         allowed = getattr(ctx.limits, "allowed_models", None) if ctx is not None else None
         try:
-            if allowed is not None and model not in allowed and name not in allowed:
+            rollout = ctx.route.rollout.name if ctx is not None and ctx.route is not None else None
+            if allowed is not None and model not in allowed and name not in allowed and rollout not in allowed:
                 raise UnknownModel(model, allowed)
             served = self.engine.served(name)
         except UnknownModel as exc:
@@ -217,6 +221,7 @@ class BaseServing:
             capped = cap is not None and resolved.max_tokens == cap and (params.max_tokens or cap + 1) > cap
             ctx.gate.reserve(ctx, num_prompt, resolved, capped)
         ctx.usage = self.usage(num_prompt, 0, 0)
+        ctx.params = resolved
         return resolved
 
     async def prepare_held(self, ctx: RequestContext, body, prompts: list[list[int]], params: SamplingParams
@@ -253,6 +258,8 @@ class BaseServing:
             self.metrics.observe_finished(out, self.answered_by(ctx))
         if ctx.capture is not None:
             ctx.capture.observe(out)
+        for observe in ctx.observers:
+            observe(out)
         if ctx.trace is not None:
             ctx.trace.observe(out)
 
