@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import httpx
@@ -132,9 +134,16 @@ def test_operator_sets_weights_promotes_and_bad_input_is_refused(server):
         assert httpx.post(url, content=b"{not json", timeout=10).status_code == 400
         assert httpx.post(server.url + "/v1/rollouts/nope", json={"action": "promote"}, timeout=10).status_code == 404
         assert httpx.get(server.url + "/v1/rollouts/nope", timeout=10).status_code == 404
+        cli = [sys.executable, "-m", "tokenmill.cli", "rollout"]
+        out = subprocess.run([*cli, "abort", "split", "--base-url", server.url], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and "rollback" in out.stdout, out.stderr
+        out = subprocess.run([*cli, "status", "--base-url", server.url], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "split  rolled_back  stable tiny w100" in out.stdout, out.stdout + out.stderr
+        assert "shadow tiny -> twin" in out.stdout
         decisions = status(server, "split")["decisions"]
-        assert [d["action"] for d in decisions[-2:]] == ["set_weights", "promote"]
-        assert all(d["by"] == "operator" for d in decisions[-2:])
+        assert [d["action"] for d in decisions[-3:]] == ["set_weights", "promote", "rollback"]
+        assert all(d["by"] == "operator" for d in decisions[-3:])
     finally:
         httpx.post(url, json={"weights": {"tiny": 70, "twin": 30}}, timeout=10)
 
@@ -213,6 +222,41 @@ def test_shadow_compares_without_touching_answers_or_bills(server, models):
     assert anonymous_requests() - before == 7  # the client's own: no shadow is the tenant's
 
 
+@pytest.mark.slow
+def test_keys_stickiness_per_key_allowed_names_and_admin_routes(models, tmp_path):
+    from tokenmill.server.keys import KeyStore, TenantLimits
+
+    paths, _ = models
+    store = KeyStore(tmp_path / "keys.db")
+    keys = [store.add_key(f"t{i}") for i in range(4)]
+    admin = store.add_key("ops", admin=True)
+    scoped = store.add_key("scoped", TenantLimits(allowed_models=("r",)))
+    store.close()
+    srv = ServerProcess("--model", paths["tiny"], "--model", paths["twin"], "--kv-cache-gb", str(KV_GB),
+                        "--dtype", "float32", "--keys-db", str(tmp_path / "keys.db"),
+                        "--rollout", "r=tiny:50,twin:50").wait_ready()
+    try:
+        def ask_as(key: str, model: str = "r", **kw):
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=120)
+            return c.completions.create(model=model, prompt=PROMPT, max_tokens=1, **kw)
+
+        for key in keys:  # without `user`, a key's requests stay on one side
+            assert len({ask_as(key).model for _ in range(3)}) == 1
+        assert {ask_as(keys[0], user=f"u{i}").model for i in range(12)} == {"tiny", "twin"}  # `user` wins
+        assert ask_as(scoped).model in ("tiny", "twin")  # a key limited to the rollout's name may use it
+        with pytest.raises(openai.NotFoundError):
+            ask_as(scoped, "tiny")
+        url = srv.url + "/v1/rollouts"
+        assert httpx.get(url, headers={"authorization": f"Bearer {keys[0]}"}, timeout=10).status_code == 403
+        r = httpx.post(url + "/r", json={"action": "rollback"}, headers={"authorization": f"Bearer {keys[0]}"},
+                       timeout=10)
+        assert r.status_code == 403
+        r = httpx.get(url, headers={"authorization": f"Bearer {admin}"}, timeout=10)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "r"
+    finally:
+        srv.stop()
+
+
 # -- the rollout's decisions, fed by hand -----------------------------------------------------
 def _outcome(latency: float) -> Observed:
     o = Observed("r")
@@ -245,6 +289,14 @@ def test_error_and_latency_rules_need_the_minimum_sample_and_margin():
     r.record(r.canary, True, _outcome(0.2))  # its p99 now 2x the stable's
     assert r.state == "rolled_back" and r.decisions[-1]["evidence"]["rule"] == "p99_latency"
     assert r.decisions[-1]["evidence"]["canary"]["window_p99_latency_s"] == pytest.approx(0.2)
+
+
+def test_promote_then_rollback_gives_the_stable_arm_its_traffic_back():
+    r = _rollout()
+    r.promote("operator")
+    assert r.weights() == {"a": 0, "b": 90} and r.choose("u") is r.canary
+    r.rollback("operator")
+    assert r.weights() == {"a": 90, "b": 0} and r.choose("u") is r.stable and r.state == "rolled_back"
 
 
 def test_raising_the_canary_weight_never_moves_a_canary_user_back():

@@ -180,6 +180,7 @@ class Rollout:
 
     def choose(self, key: str | None) -> Arm:
         total = self.stable.weight + self.canary.weight
+        assert total > 0, "weights are never both 0"
         return self.canary if bucket(self.name, key) < self.canary.weight / total else self.stable
 
     def record(self, arm: Arm, ok: bool, observed: Observed | None = None) -> None:
@@ -201,7 +202,7 @@ class Rollout:
             evidence = self.evaluate()
             if evidence is not None:
                 self.metrics.rollbacks.labels(self.name).inc()
-                self.set_weights("rolled_back", "auto", evidence, canary=0)
+                self.rollback("auto", evidence)
 
     def evaluate(self) -> dict | None:
         """The evidence for a rollback, or None while the canary holds up (or too few
@@ -217,6 +218,15 @@ class Rollout:
         if min(map(len, lats)) >= t.min_requests and p99(lats[1]) > p99(lats[0]) * (1 + t.latency_margin):
             return {"rule": "p99_latency", **evidence}
         return None
+
+    def rollback(self, by: str, evidence: dict | None = None) -> dict:
+        """The canary's weight to 0 (the stable arm takes the canary's, if it had none)."""
+        return self.set_weights("rolled_back", by, evidence, stable=self.stable.weight or self.canary.weight,
+                                canary=0)
+
+    def promote(self, by: str) -> dict:
+        """Every request to the canary (at the larger of the two weights)."""
+        return self.set_weights("promoted", by, stable=0, canary=max(self.stable.weight, self.canary.weight))
 
     def set_weights(self, state: str, by: str, evidence: dict | None = None, *, stable: int | None = None,
                     canary: int | None = None) -> dict:

@@ -170,10 +170,9 @@ class Traffic:
                                     '"rollback"}')
             if "action" in body:
                 if body["action"] == "promote":
-                    return r.set_weights("promoted", "operator", stable=0, canary=max(1, r.canary.weight,
-                                                                                       r.stable.weight))
+                    return r.promote("operator")
                 if body["action"] == "rollback":
-                    return r.set_weights("rolled_back", "operator", canary=0)
+                    return r.rollback("operator")
                 raise APIError(400, f"action must be promote or rollback, got {body['action']!r}", param="action")
             w = body["weights"]
             arms = {r.stable.model, r.canary.model}
