@@ -112,7 +112,8 @@ def test_weights_split_sticky_per_user_and_reported(server):
     assert st["stable"]["requests"] + canary == N_SPLIT + 31
     assert metric(server, 'tokenmill_rollout_requests_total{arm="canary",model="twin",outcome="ok",'
                           'rollout="split"}') == canary
-    assert metric(server, 'tokenmill_rollout_latency_seconds_count{arm="stable",rollout="split"}') == N_SPLIT + 31 - canary
+    stable = N_SPLIT + 31 - canary
+    assert metric(server, 'tokenmill_rollout_latency_seconds_count{arm="stable",rollout="split"}') == stable
     rows = {m["id"]: m for m in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]}
     assert rows["split"]["rollout"] == {"stable": "tiny", "canary": "twin", "weights": {"tiny": 70, "twin": 30},
                                         "state": "running"}

@@ -70,8 +70,8 @@ class ShadowMetrics:
                                 "the primary's exactly (match) or not (differ).", ["shadow", "result"],
                                 registry=registry)
         self.latency = Histogram("tokenmill_shadow_latency_seconds", "Engine time from arrival to the last token "
-                                 "of mirrored requests, primary and shadow.", ["shadow", "side"], buckets=LATENCY_BUCKETS,
-                                 registry=registry)
+                                 "of mirrored requests, primary and shadow.", ["shadow", "side"],
+                                 buckets=LATENCY_BUCKETS, registry=registry)
 
 
 class Shadow:
