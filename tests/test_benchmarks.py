@@ -42,6 +42,7 @@ QUICK = {
     "serving.cluster_sim": rf"\| 2 \| affinity \| {NUM} \|",
     "serving.batch_interference": r"aims: p99 TTFT ratio",
     "serving.model_swap": rf"both resident: {NUM} MiB against {NUM} MiB",
+    "serving.shadow_overhead": rf"\| on, gaps \| {NUM} \| {NUM} \| [0-9]+ \|",
 }
 
 

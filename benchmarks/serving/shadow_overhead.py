@@ -52,9 +52,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--per-block", type=int, default=8)
-    ap.add_argument("--quick", action="store_true", help="smoke run: a tiny twin, 1 block of 3")
+    ap.add_argument("--quick", action="store_true", help="smoke run: a tiny twin, 1 block of 2, 8 tokens")
     args = ap.parse_args()
-    blocks, per = (1, 3) if args.quick else (args.blocks, args.per_block)
+    blocks, per = (1, 2) if args.quick else (args.blocks, args.per_block)
+    if args.quick:
+        BODY["max_tokens"] = 8
     work = Path(tempfile.mkdtemp(prefix="tokenmill-shadow-"))
     name = "tiny-partner" if args.quick else "smollm2-twin"
     twin = str(work / name)
