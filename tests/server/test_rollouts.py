@@ -51,6 +51,7 @@ def server(models):
     srv = ServerProcess(*(a for m in paths.values() for a in ("--model", m)), "--kv-cache-gb", str(KV_GB),
                         "--dtype", "float32", "--max-num-seqs", "16",
                         "--rollout", "split=tiny:70,twin:30", "--rollout", "bad=tiny:50,broken:50",
+                        "--rollout", "worse=tiny:50,other:50", "--rollout-min-agreement", "0.5",
                         "--shadow", "tiny=twin:1", "--shadow", "other=tiny", "--rollout-min-requests", "5",
                         "--rollout-latency-margin", "100").wait_ready()
     yield srv
@@ -114,6 +115,11 @@ def test_weights_split_sticky_per_user_and_reported(server):
                           'rollout="split"}') == canary
     stable = N_SPLIT + 31 - canary
     assert metric(server, 'tokenmill_rollout_latency_seconds_count{arm="stable",rollout="split"}') == stable
+    deadline = time.monotonic() + 30
+    while status(server, "split")["agreement"]["checked"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the twin's greedy answers, checked against tiny's after they were sent
+    agreement = status(server, "split")["agreement"]
+    assert agreement["checked"] >= 3 and agreement["matches"] == agreement["checked"]
     rows = {m["id"]: m for m in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]}
     assert rows["split"]["rollout"] == {"stable": "tiny", "canary": "twin", "weights": {"tiny": 70, "twin": 30},
                                         "state": "running"}
@@ -167,6 +173,26 @@ def test_broken_canary_is_rolled_back_and_no_client_request_fails(server):
     later = ask(server, "bad", [f"b{i}" for i in range(40)])
     assert {raw.headers["x-tokenmill-rollout"] for raw in later} == {"bad; arm=stable"}
     assert status(server, "bad")["canary"]["errors"] == st["canary"]["errors"]
+
+
+def test_a_canary_that_answers_otherwise_is_rolled_back_on_agreement(server):
+    """`other` (other random weights) as the canary of `tiny`: its greedy answers are checked
+    against tiny's on the same requests, and the rollout falls below 50% agreement (the
+    twin canary of `split` agreed every time: the test above)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for i in range(80):
+        r = client.completions.create(model="worse", prompt=PROMPT, max_tokens=4, temperature=0, user=f"w{i}",
+                                      extra_body={"ignore_eos": True})
+        assert r.model in ("tiny", "other")
+        if status(server, "worse")["state"] != "running":
+            break
+        time.sleep(0.05)  # a check runs after its answer: give it a moment
+    st = status(server, "worse")
+    assert st["state"] == "rolled_back" and st["canary"]["weight"] == 0, st
+    evidence = st["decisions"][-1]["evidence"]
+    assert evidence["rule"] == "agreement" and evidence["agreement"]["rate"] < 0.5
+    assert evidence["agreement"]["checked"] >= 5 and evidence["canary"]["window_error_rate"] == 0.0
+    assert metric(server, 'tokenmill_rollout_agreement_total{result="differ",rollout="worse"}') >= 3
 
 
 def _shadow(server, name: str) -> dict:
@@ -290,6 +316,24 @@ def test_error_and_latency_rules_need_the_minimum_sample_and_margin():
     r.record(r.canary, True, _outcome(0.2))  # its p99 now 2x the stable's
     assert r.state == "rolled_back" and r.decisions[-1]["evidence"]["rule"] == "p99_latency"
     assert r.decisions[-1]["evidence"]["canary"]["window_p99_latency_s"] == pytest.approx(0.2)
+
+
+def test_agreement_rolls_back_and_a_healthy_canary_is_promoted():
+    r = _rollout(min_agreement=0.8, promote_after=15)
+    for i in range(10):
+        r.record(r.stable, True, _outcome(0.1))
+        r.record(r.canary, True, _outcome(0.1))
+        r.record_agreement(i % 3 != 0)  # 6 of 10 agree
+    assert r.state == "rolled_back" and r.decisions[-1]["evidence"]["rule"] == "agreement"
+    r = _rollout(min_agreement=0.8, promote_after=15)
+    for i in range(15):
+        r.record(r.stable, True, _outcome(0.1))
+        r.record(r.canary, True, _outcome(0.1))
+    for i in range(10):
+        assert r.state == "running"  # 15 healthy answers, but too few of them checked for agreement
+        r.record_agreement(True)
+    assert r.state == "promoted" and r.weights() == {"a": 0, "b": 90}
+    assert r.decisions[-1]["by"] == "auto" and r.decisions[-1]["evidence"]["rule"] == "healthy"
 
 
 def test_promote_then_rollback_gives_the_stable_arm_its_traffic_back():

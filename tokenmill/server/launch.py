@@ -108,7 +108,8 @@ def _traffic(options: ServeOptions, engine: EngineClient):
     served = engine.model_names()
     try:
         thresholds = Thresholds(options.rollout_error_margin, options.rollout_latency_margin,
-                                options.rollout_min_requests)
+                                options.rollout_min_requests, options.rollout_min_agreement,
+                                options.rollout_promote_after)
         rollouts = tuple(parse_rollout(r, served) for r in options.rollout or ())
         names = [*served, *(a.split("=", 1)[0].strip() for a in options.model_alias or ()), *(r.name for r in rollouts)]
         if len(set(names)) < len(names):

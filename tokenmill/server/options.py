@@ -175,6 +175,11 @@ class ServeOptions:
                                            "stable arm's times 1 + this.", only="serve")
     rollout_min_requests: int = option(20, "--rollout-min-requests", "Outcomes each arm needs before the two are "
                                        "compared.", only="serve")
+    rollout_min_agreement: float | None = option(
+        None, "--rollout-min-agreement", "...or fewer of its greedy answers than this share match the stable "
+        "model's on the same request (each checked after the answer; default: unchecked).", only="serve")
+    rollout_promote_after: int = option(0, "--rollout-promote-after", "Promote a canary still healthy after this "
+                                        "many requests (0: only by hand).", only="serve")
     capture: str = option("off", "--capture",
                           "Capture finished requests for `tokenmill replay` (snapshot id, resolved parameters, seed, "
                           "prompt and output token ids; no text): off, all, or keys (the keys added with "

@@ -14,8 +14,13 @@ canary's share away when it does worse than the stable arm.
 - Rollback: once both arms hold at least `min_requests` outcomes, the canary's weight
   drops to 0 when its error rate exceeds the stable arm's by more than `error_margin`
   (absolute: 0.05 is five points), or its p99 latency over successful requests exceeds
-  the stable arm's times 1 + `latency_margin`. The decision and its evidence are logged
-  and kept (GET /v1/rollouts).
+  the stable arm's times 1 + `latency_margin`, or (with `min_agreement`) fewer than that
+  share of its greedy answers match, token for token, what the stable model answers to
+  the same request (run after the answer, as a shadow: shadow.py). The decision and
+  its evidence are logged and kept (GET /v1/rollouts).
+- Promotion (with `promote_after`): once the canary holds that many outcomes (and, with
+  `min_agreement`, `min_requests` agreement checks) and no rule fires, it takes all the
+  traffic.
 """
 
 from __future__ import annotations
@@ -43,12 +48,16 @@ class Thresholds:
     error_margin: float = 0.05  # canary error rate - stable error rate that rolls it back
     latency_margin: float = 0.5  # canary p99 > stable p99 * (1 + this) rolls it back
     min_requests: int = 20  # outcomes each arm needs before anything is compared
+    min_agreement: float | None = None  # greedy canary answers that must match the stable model's (None: unchecked)
+    promote_after: int = 0  # canary outcomes after which a healthy canary is promoted (0: never by itself)
     window: int = 500  # the latest outcomes per arm that are compared
 
     def __post_init__(self) -> None:
-        if not (0 <= self.error_margin < 1 and self.latency_margin >= 0 and 1 <= self.min_requests <= self.window):
-            raise ValueError("--rollout-error-margin must be in [0, 1), --rollout-latency-margin 0 or more and "
-                             f"--rollout-min-requests 1 to {self.window}")
+        if not (0 <= self.error_margin < 1 and self.latency_margin >= 0 and 1 <= self.min_requests <= self.window
+                and (self.min_agreement is None or 0 < self.min_agreement <= 1) and self.promote_after >= 0):
+            raise ValueError("--rollout-error-margin must be in [0, 1), --rollout-latency-margin 0 or more, "
+                             f"--rollout-min-requests 1 to {self.window}, --rollout-min-agreement in (0, 1] and "
+                             "--rollout-promote-after 0 or more")
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,9 @@ class RolloutMetrics:
         self.failovers = Counter("tokenmill_rollout_failovers", "Canary requests that failed before answering "
                                  "and were answered by the stable arm.", ["rollout"], registry=r)
         self.rollbacks = Counter("tokenmill_rollout_rollbacks", "Automatic rollbacks.", ["rollout"], registry=r)
+        self.promotions = Counter("tokenmill_rollout_promotions", "Automatic promotions.", ["rollout"], registry=r)
+        self.agreement = Counter("tokenmill_rollout_agreement", "Greedy canary answers checked against the stable "
+                                 "model's: match or differ.", ["rollout", "result"], registry=r)
 
 
 @dataclass
@@ -172,6 +184,7 @@ class Rollout:
         self.canary = Arm(CANARY, spec.canary, spec.weights[1])
         self.state = "running"  # running, rolled_back, promoted
         self.decisions: deque[dict] = deque(maxlen=_DECISIONS_KEPT)
+        self.agreement: deque[bool] = deque(maxlen=thresholds.window)  # canary answers == the stable model's?
         self._show_weights()
 
     @property
@@ -198,35 +211,58 @@ class Rollout:
                 self.metrics.ttft.labels(self.name, arm.role).observe(observed.ttft)
             if latency is not None:
                 self.metrics.latency.labels(self.name, arm.role).observe(latency)
-        if self.state == "running" and self.canary.weight > 0:
-            evidence = self.evaluate()
-            if evidence is not None:
-                self.metrics.rollbacks.labels(self.name).inc()
-                self.rollback("auto", evidence)
+        self._judge()
+
+    def record_agreement(self, match: bool) -> None:
+        self.agreement.append(match)
+        self.metrics.agreement.labels(self.name, "match" if match else "differ").inc()
+        self._judge()
+
+    def _judge(self) -> None:
+        if self.state != "running" or self.canary.weight == 0:
+            return
+        evidence = self.evaluate()
+        if evidence is None:
+            return
+        if evidence["rule"] == "healthy":
+            self.metrics.promotions.labels(self.name).inc()
+            self.promote("auto", evidence)
+        else:
+            self.metrics.rollbacks.labels(self.name).inc()
+            self.rollback("auto", evidence)
 
     def evaluate(self) -> dict | None:
-        """The evidence for a rollback, or None while the canary holds up (or too few
-        outcomes are in to say)."""
+        """The evidence for a rollback (or, with promote_after, a promotion: rule
+        "healthy"), or None while too few outcomes are in to say."""
         t, s, c = self.thresholds, self.stable.summary(), self.canary.summary()
         if min(s["window"], c["window"]) < t.min_requests:
             return None
-        evidence = {"stable": s, "canary": c, "error_margin": t.error_margin, "latency_margin": t.latency_margin,
-                    "min_requests": t.min_requests}
+        evidence = {"stable": s, "canary": c, "agreement": self._agreement(), **vars(t)}
         if c["window_error_rate"] - s["window_error_rate"] > t.error_margin:
             return {"rule": "error_rate", **evidence}
         lats = [[lat for ok, lat in a.window if ok and lat is not None] for a in self.arms]
         if min(map(len, lats)) >= t.min_requests and p99(lats[1]) > p99(lats[0]) * (1 + t.latency_margin):
             return {"rule": "p99_latency", **evidence}
+        checked = len(self.agreement) >= t.min_requests
+        if t.min_agreement is not None and checked and evidence["agreement"]["rate"] < t.min_agreement:
+            return {"rule": "agreement", **evidence}
+        if t.promote_after and c["window"] >= t.promote_after and (t.min_agreement is None or checked):
+            return {"rule": "healthy", **evidence}
         return None
+
+    def _agreement(self) -> dict:
+        n = len(self.agreement)
+        return {"checked": n, "matches": sum(self.agreement), "rate": sum(self.agreement) / n if n else None}
 
     def rollback(self, by: str, evidence: dict | None = None) -> dict:
         """The canary's weight to 0 (the stable arm takes the canary's, if it had none)."""
         return self.set_weights("rolled_back", by, evidence, stable=self.stable.weight or self.canary.weight,
                                 canary=0)
 
-    def promote(self, by: str) -> dict:
+    def promote(self, by: str, evidence: dict | None = None) -> dict:
         """Every request to the canary (at the larger of the two weights)."""
-        return self.set_weights("promoted", by, stable=0, canary=max(self.stable.weight, self.canary.weight))
+        return self.set_weights("promoted", by, evidence, stable=0,
+                                canary=max(self.stable.weight, self.canary.weight))
 
     def set_weights(self, state: str, by: str, evidence: dict | None = None, *, stable: int | None = None,
                     canary: int | None = None) -> dict:
@@ -240,6 +276,7 @@ class Rollout:
         if state == "running":
             for a in self.arms:
                 a.window.clear()
+            self.agreement.clear()
         self.state = state
         self._show_weights()
         decision = {"time": time.time(), "action": {"rolled_back": "rollback", "promoted": "promote"}.get(
@@ -259,7 +296,7 @@ class Rollout:
 
     def status(self) -> dict:
         return {"id": self.name, "object": "rollout", "state": self.state, "stable": self.stable.summary(),
-                "canary": self.canary.summary(), "thresholds": vars(self.thresholds),
+                "canary": self.canary.summary(), "agreement": self._agreement(), "thresholds": vars(self.thresholds),
                 "decisions": list(self.decisions)}
 
 
@@ -270,4 +307,5 @@ def _brief(evidence: dict) -> str:
         return "n/a" if v is None else f"{v:.3f}"
     return (f"{evidence['rule']}: error rate {fmt(c['window_error_rate'])} vs {fmt(s['window_error_rate'])}, p99 "
             f"{fmt(c['window_p99_latency_s'])}s vs {fmt(s['window_p99_latency_s'])}s over {c['window']} and "
-            f"{s['window']} requests (canary vs stable)")
+            f"{s['window']} requests (canary vs stable); agreement {fmt(evidence['agreement']['rate'])} over "
+            f"{evidence['agreement']['checked']}")

@@ -4,7 +4,7 @@ away. The client never waits for it and is never billed for it:
 
 - the copy starts when the client's exchange has ended (its whole answer sent), as the
   batch class, with no gate: no rate limit, budget, pricing, capture or tenant stats;
-- at most `max_inflight` copies run at once; more are dropped (counted), and a copy
+- at most `max_inflight` copies of each shadow run at once; more are dropped (counted), and a copy
   whose model would have to push a resident model out of the memory budget is skipped
   (counted): a shadow never makes the live model reload;
 - compared: the exact token ids of every sample when both runs were greedy (a match
@@ -75,14 +75,19 @@ class ShadowMetrics:
 
 
 class Shadow:
-    """One shadow's counts, latencies and latest comparisons."""
+    """One shadow's counts, latencies and latest comparisons. (A target of Shadows.attach:
+    `spec.model`, `running`, `wants`, `count`, `compare`.)"""
 
     def __init__(self, spec: ShadowSpec, metrics: ShadowMetrics):
         self.spec, self.metrics = spec, metrics
+        self.running = 0  # copies running now
         self.counts = {"ok": 0, "error": 0, "dropped": 0, "skipped": 0}
         self.compared = self.matches = 0
         self.latencies: deque[tuple[float, float]] = deque(maxlen=_LATENCIES)  # (primary, shadow)
         self.recent: deque[dict] = deque(maxlen=_RECENT)
+
+    def wants(self, ctx: RequestContext, greedy: bool) -> bool:
+        return True
 
     def count(self, outcome: str) -> None:
         self.counts[outcome] += 1
@@ -142,38 +147,46 @@ class Shadows:
 
     def offer(self, ctx: RequestContext, requested: str | None, body, operation: str, primary: Observed) -> None:
         shadow = self.by_name.get(requested)
-        if shadow is None or operation not in self._servings or random.random() >= shadow.spec.fraction:
+        if shadow is not None and random.random() < shadow.spec.fraction:
+            self.attach(ctx, shadow, body, operation, primary)
+
+    def attach(self, ctx: RequestContext, target, body, operation: str, primary: Observed) -> None:
+        """Run `body` again on `target.spec.model` once the exchange of `ctx` has ended."""
+        if operation not in self._servings:
             return
         copy = body.model_copy(deep=True)  # as the client sent it, before serving fills it in
-        copy.model, copy.stream, copy.stream_options = shadow.spec.model, False, None
-        ctx.finalizers.append(lambda _usage: self._launch(shadow, copy, operation, ctx, primary))
+        copy.model, copy.stream, copy.stream_options = target.spec.model, False, None
+        ctx.finalizers.append(lambda _usage: self._launch(target, copy, operation, ctx, primary))
 
-    def _launch(self, shadow: Shadow, body, operation: str, ctx: RequestContext, primary: Observed) -> None:
-        if ctx.status_code != 200 or not primary.finished or not self._fits(shadow.spec.model):
-            shadow.count("skipped")
-            return
-        if len(self._tasks) >= self.max_inflight:
-            shadow.count("dropped")
-            return
+    def _launch(self, target, body, operation: str, ctx: RequestContext, primary: Observed) -> None:
         greedy = ctx.params is not None and ctx.params.greedy
-        task = asyncio.ensure_future(self._run(shadow, body, operation, ctx.request_id, greedy, primary))
+        if not target.wants(ctx, greedy):
+            return
+        if ctx.status_code != 200 or not primary.finished or not self._fits(target.spec.model):
+            target.count("skipped")
+            return
+        if target.running >= self.max_inflight:
+            target.count("dropped")
+            return
+        target.running += 1
+        task = asyncio.ensure_future(self._run(target, body, operation, ctx.request_id, greedy, primary))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, shadow: Shadow, body, operation: str, request_id: str, greedy: bool,
-                   primary: Observed) -> None:
+    async def _run(self, target, body, operation: str, request_id: str, greedy: bool, primary: Observed) -> None:
         ctx = RequestContext(request_id=new_id("shadow"), priority=Priority.BATCH)
         seen = Observed(ctx.request_id)
         ctx.observers.append(seen.observe)
         try:
             await asyncio.wait_for(self._servings[operation].complete(body, ctx), self.timeout_s)
         except Exception as exc:  # the shadow's failure is only counted: the client has its answer
-            log.info("shadow %s of %s failed: %s", shadow.spec.model, request_id, exc)
-            shadow.count("error")
+            log.info("shadow %s of %s failed: %s", target.spec.model, request_id, exc)
+            target.count("error")
             return
         finally:
             ctx.finish()
-        shadow.compare(request_id, greedy and ctx.params is not None and ctx.params.greedy, primary, seen)
+            target.running -= 1
+        target.compare(request_id, greedy and ctx.params is not None and ctx.params.greedy, primary, seen)
 
     def _fits(self, model: str) -> bool:
         """The shadow model is loaded, or loads beside the resident models without pushing one out."""

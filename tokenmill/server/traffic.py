@@ -57,6 +57,27 @@ class Route:
                 "x-tokenmill-rollout": f"{self.rollout.name}; arm={self.arm.role}{tail}"}
 
 
+class AgreementCheck:
+    """A rollout's check of its canary's greedy answers: the same request run again on the
+    stable model after the answer (a Shadows target), the token ids compared."""
+
+    def __init__(self, rollout: Rollout):
+        self.rollout = rollout
+        self.spec = ShadowSpec(rollout.name, rollout.stable.model, 1.0)
+        self.running = 0
+
+    def wants(self, ctx: RequestContext, greedy: bool) -> bool:
+        r = self.rollout
+        return greedy and r.state == "running" and ctx.route is not None and ctx.route.arm is r.canary
+
+    def count(self, outcome: str) -> None:
+        """A check that did not run (dropped, skipped, the stable model failed) judges nothing."""
+
+    def compare(self, request_id: str, greedy: bool, primary: Observed, stable: Observed) -> None:
+        if greedy:
+            self.rollout.record_agreement(primary.tokens == stable.tokens)
+
+
 def sticky_key(raw: Request, body, keys_on: bool) -> str | None:
     """The body's `user`, else (when keys are on: elsewhere any client's placeholder key
     would put everyone on one side) a digest of the API key; None: placed at random."""
@@ -77,6 +98,8 @@ class Traffic:
         metrics = RolloutMetrics(registry)
         self.rollouts = {s.name: Rollout(s, config.thresholds, metrics) for s in config.rollouts}
         self.shadows = Shadows(list(config.shadows), servings, host, registry)
+        self._checks = ({n: AgreementCheck(r) for n, r in self.rollouts.items()}
+                        if config.thresholds.min_agreement is not None else {})
         self.keys_on = keys_on
 
     def enter(self, ctx: RequestContext, raw: Request, body, operation: str) -> None:
@@ -93,6 +116,8 @@ class Traffic:
             body.model = arm.model
             ctx.route = Route(rollout, arm, observed)
             ctx.finalizers.append(lambda _usage: self._settle(ctx.route, ctx.status_code))
+            if arm is rollout.canary and requested in self._checks:
+                self.shadows.attach(ctx, self._checks[requested], body, operation, observed)
         self.shadows.offer(ctx, requested, body, operation, observed)
 
     async def run(self, ctx: RequestContext, body, call: Callable[[], Awaitable]):
