@@ -284,6 +284,17 @@ def test_keys_stickiness_per_key_allowed_names_and_admin_routes(models, tmp_path
         srv.stop()
 
 
+@pytest.mark.slow
+def test_a_bad_rollout_or_shadow_stops_the_start_with_one_line(models):
+    paths, _ = models
+    for args, message in ((("--rollout", "r=tiny:1,nope:1"), "'nope' is not a served model"),
+                          (("--shadow", "r=twin"), "'r' is not a served model, alias or rollout")):
+        srv = ServerProcess("--model", paths["tiny"], "--model", paths["twin"], *args)
+        with pytest.raises(RuntimeError, match="exited early") as e:
+            srv.wait_ready(timeout=60)
+        assert message in str(e.value) and "Traceback" not in str(e.value)
+
+
 # -- the rollout's decisions, fed by hand -----------------------------------------------------
 def _outcome(latency: float) -> Observed:
     o = Observed("r")
@@ -364,3 +375,7 @@ def test_specs_are_checked():
     for bad in ("r=b:0", "r=b:1.5", "x=b", "a=a", "r=c", "r=b:half"):
         with pytest.raises(ValueError):
             parse_shadow(bad, ["a", "b", "r"], served)
+    for bad in (dict(min_agreement=2.0), dict(min_agreement=0.0), dict(error_margin=1.0), dict(min_requests=0),
+                dict(min_requests=501), dict(latency_margin=-0.1), dict(promote_after=-1)):
+        with pytest.raises(ValueError):
+            Thresholds(**bad)
