@@ -107,13 +107,16 @@ def test_weights_split_sticky_per_user_and_reported(server):
     chat = client.chat.completions.create(model="split", user=users[0], max_tokens=1,
                                           messages=[{"role": "user", "content": "hi"}])
     assert chat.model == placed[users[0]]  # the conversation stays on its side, whatever the route
+    msg = httpx.post(server.url + "/v1/messages", json={"model": "split", "max_tokens": 1, "metadata": {
+        "user_id": users[0]}, "messages": [{"role": "user", "content": "hi"}]}, timeout=60)  # Anthropic's dialect
+    assert msg.status_code == 200 and msg.headers["x-tokenmill-model"] == placed[users[0]]
     st = status(server, "split")
-    canary = sum(m == "twin" for m in placed.values()) + sum(placed[u] == "twin" for u in users[:30] + users[:1])
+    canary = sum(m == "twin" for m in placed.values()) + sum(placed[u] == "twin" for u in users[:30] + users[:1] * 2)
     assert st["state"] == "running" and st["canary"]["requests"] == canary and st["canary"]["errors"] == 0
-    assert st["stable"]["requests"] + canary == N_SPLIT + 31
+    assert st["stable"]["requests"] + canary == N_SPLIT + 32
     assert metric(server, 'tokenmill_rollout_requests_total{arm="canary",model="twin",outcome="ok",'
                           'rollout="split"}') == canary
-    stable = N_SPLIT + 31 - canary
+    stable = N_SPLIT + 32 - canary
     assert metric(server, 'tokenmill_rollout_latency_seconds_count{arm="stable",rollout="split"}') == stable
     deadline = time.monotonic() + 30
     while status(server, "split")["agreement"]["checked"] < 3 and time.monotonic() < deadline:

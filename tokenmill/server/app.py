@@ -138,6 +138,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         for name, serving in family.items():
             serving.snapshot = snapshot if name == model_name else engine.served(name).snapshot
             serving.aliases = aliases
+            if config.traffic is not None:
+                serving.rollouts = {r.name: r.stable for r in config.traffic.rollouts}
     capture = policy.capture
     traffic = None
     if config.traffic is not None:
