@@ -18,6 +18,7 @@ POST /v1/rollouts/{name} with {"weights": {MODEL: W, MODEL: W}} or {"action":
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -209,8 +210,6 @@ class Traffic:
 
 
 async def _json_object(raw: Request) -> dict:
-    import json
-
     try:
         body = json.loads(await raw.body() or b"null")
     except ValueError:
