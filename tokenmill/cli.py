@@ -291,6 +291,7 @@ from tokenmill.cost.cli import cost_app  # noqa: E402  (light: typer and the std
 from tokenmill.bench.cli import bench  # noqa: E402  (HTTP only: no torch import)
 from tokenmill.server.keys_cli import keys_app  # noqa: E402
 from tokenmill.batch.cli import batch_app  # noqa: E402  (HTTP only)
+from tokenmill.server.rollout_cli import rollout_app  # noqa: E402  (HTTP only)
 from tokenmill.model.models_cli import models_app  # noqa: E402  (no torch)
 from tokenmill.eval.cli import eval_command  # noqa: E402  (HTTP only)
 
@@ -300,6 +301,7 @@ app.command("eval", help="Run a task suite against OpenAI-compatible servers: su
 app.add_typer(cost_app, name="cost", help="Price requests, estimate workloads, cost self-hosting.")
 app.add_typer(keys_app, name="keys", help="Manage tenants and API keys.")
 app.add_typer(batch_app, name="batch", help="Submit and follow Batch API jobs (OpenAI's /v1/batches).")
+app.add_typer(rollout_app, name="rollout", help="Canary rollouts and shadows of a running server.")
 models_app.command("show")(models_show)
 app.add_typer(models_app, name="models", help="Install and list models (a name for --model).")
 app.add_typer(cluster_app, name="cluster", help="Scale out: engine replicas on Ray Serve behind one ingress.")

@@ -26,9 +26,10 @@ PROMPT = [1, 504, 3458, 282, 4649, 314]  # token ids: both models share the embe
 KV_GB = 0.05
 
 
-def make_tiny(folder) -> torch.nn.Module:
-    """A random 2-layer Llama over the embedded model's vocabulary, saved with its
-    tokenizer and chat template, so that the server can serve it by text."""
+def make_tiny(folder, seed: int = 0) -> torch.nn.Module:
+    """A random 2-layer Llama over the embedded model's vocabulary (its weights drawn from
+    `seed`), saved with its tokenizer and chat template, so that the server can serve it
+    by text."""
     from tokenmill.model.metadata import load_model_info
 
     tok = load_model_info(None).tokenizer
@@ -41,7 +42,7 @@ def make_tiny(folder) -> torch.nn.Module:
                                    num_key_value_heads=2, vocab_size=tok.vocab_size, max_position_embeddings=512,
                                    tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                                    eos_token_id=tok.eos_token_ids[0])
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(folder, safe_serialization=True)
     return model

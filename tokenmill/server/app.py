@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -18,16 +17,17 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.batch.runner import BatchLimits
-from tokenmill.engine.api import EngineClient, ModelHost, ModelUnavailable, UnknownModel, text_digest
+from tokenmill.engine.api import EngineClient, ModelHost, text_digest
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
 from tokenmill.server.dialects import add_dialect_routes
 from tokenmill.server.dialects.embeddings import model_capabilities
-from tokenmill.server.errors import APIError, as_api_error, install_error_handlers
+from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
 from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
-from tokenmill.server.limits import ServerTokens, parse_keep_alive
+from tokenmill.server.limits import ServerTokens
 from tokenmill.server.lora_routes import add_lora_routes
+from tokenmill.server.model_routes import add_model_routes
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.middleware import Frontdoor, ServerState, bounded_route
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -51,6 +51,7 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja source replacing the model's own template
     reasoning_parser: str | None = None  # deepseek_r1, qwen3, none; None: chosen from the chat template
     aliases: tuple = ()  # tokenmill.server.aliases.ModelAlias: other names for the model or a snapshot of it
+    traffic: object | None = None  # tokenmill.server.traffic.TrafficConfig: rollouts and shadows (None: none)
 
 
 @dataclass
@@ -138,7 +139,15 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         for name, serving in family.items():
             serving.snapshot = snapshot if name == model_name else engine.served(name).snapshot
             serving.aliases = aliases
+            if config.traffic is not None:
+                serving.rollouts = {r.name: r.stable for r in config.traffic.rollouts}
     capture = policy.capture
+    traffic = None
+    if config.traffic is not None:
+        from tokenmill.server.traffic import Traffic
+
+        traffic = Traffic(config.traffic, {"chat": chat, "text_completion": completion}, host, metrics.registry,
+                          keys_on=policy.keys is not None)
 
     runner = None
     if policy.batch_store is not None:
@@ -167,6 +176,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
             yield
         finally:
             lag.cancel()
+            if traffic is not None:
+                await traffic.stop()
             if tuner is not None:
                 await tuner.stop()
             if runner is not None:
@@ -204,6 +215,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
 
             ctx.capture = Recording(capture.store, ctx.request_id, tenant.name, operation)
             ctx.finalizers.append(ctx.capture.finish)
+        if traffic is not None:  # a rollout places it on an arm; a shadow may copy it
+            traffic.enter(ctx, raw, body, operation)
         return ctx
 
     async def serve(raw: Request, body, serving, prefix: str, operation: str) -> Response:
@@ -211,16 +224,24 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         alias = aliases.get(getattr(body, "model", None))
         if alias is not None:  # a deprecated alias says so on every answer
             response.headers.update(alias.headers())
+        if traffic is not None:  # which arm of a rollout answered
+            response.headers.update(traffic.headers(raw.scope["state"].get("ctx")))
         return response
+
+    async def create(raw: Request, body, serving, prefix: str, operation: str) -> Response:
+        ctx = context(raw, prefix, body, operation)
+        if ctx.route is None:
+            return await serving.create(body, raw, ctx)
+        return await traffic.run(ctx, body, lambda: serving.create(body, raw, ctx))
 
     async def answer(raw: Request, body, serving, prefix: str, operation: str) -> Response:
         key = raw.headers.get("idempotency-key")
         if key is None or body.stream:
-            return await serving.create(body, raw, context(raw, prefix, body, operation))
+            return await create(raw, body, serving, prefix, operation)
         fingerprint = hashlib.sha256(raw.url.path.encode() + b"\0" + await raw.body()).hexdigest()
         scope = raw.scope["state"]["tenant"].name
         return await idempotency.run(scope, key, fingerprint,
-                                     lambda: serving.create(body, raw, context(raw, prefix, body, operation)))
+                                     lambda: create(raw, body, serving, prefix, operation))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -256,13 +277,16 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        out: dict = {"object": "list", "data": model_rows() + [a.as_dict() for a in aliases.values()]}
+        out: dict = {"object": "list", "data": model_rows() + [a.as_dict() for a in aliases.values()]
+                     + (traffic.model_rows() if traffic is not None else [])}
         if host is not None:
             out["memory_budget_bytes"] = host.budget
         return out
 
     if host is not None:
         add_model_routes(app, host, policy.keys is not None, model_rows)
+    if traffic is not None:
+        traffic.add_routes(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -347,50 +371,6 @@ def _servings(engine: EngineClient, config: ServerConfig, metrics: Metrics) -> t
             serving.siblings = family
     default = engine.model_names()[0]
     return chats[default], completions[default]
-
-
-def add_model_routes(app: FastAPI, host: ModelHost, keys_on: bool, rows) -> None:
-    """POST /v1/models/{id}/load and /unload: an operator's (an admin key's, when keys are on)."""
-
-    def check(raw: Request, model: str) -> None:
-        tenant: Tenant = raw.scope["state"]["tenant"]
-        if keys_on and not tenant.admin:
-            raise APIError(403, "loading and unloading models needs an admin key (tokenmill keys add NAME --admin)",
-                           code="permission_denied")
-        if model not in host.model_names():
-            raise APIError(404, str(UnknownModel(model, host.model_names())), param="model",
-                           code="model_not_found")
-
-    def row(model: str) -> dict:
-        return next(r for r in rows() if r["id"] == model)
-
-    @app.post("/v1/models/{model:path}/load")
-    async def load_model(model: str, raw: Request) -> dict:
-        check(raw, model)
-        keep_alive = None
-        if await raw.body():
-            try:
-                body = json.loads(await raw.body())
-            except ValueError:
-                raise APIError(400, "the request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise APIError(400, "the body must be a JSON object")
-            if body.get("keep_alive") is not None:
-                try:
-                    keep_alive = parse_keep_alive(body["keep_alive"])
-                except ValueError as exc:
-                    raise APIError(400, str(exc), param="keep_alive") from None
-        try:
-            await host.load(model, keep_alive)
-        except ModelUnavailable as exc:
-            raise as_api_error(exc) from None
-        return row(model)
-
-    @app.post("/v1/models/{model:path}/unload")
-    async def unload_model(model: str, raw: Request) -> dict:
-        check(raw, model)
-        await host.unload(model)
-        return row(model)
 
 
 async def drain(app: FastAPI, timeout_s: float) -> None:

@@ -82,7 +82,8 @@ def build_server(options: ServeOptions) -> FastAPI:
                               f"{', '.join(engine.model_names())}")
     config = ServerConfig(host=options.host, port=options.port,
                           shutdown_timeout_s=options.shutdown_timeout, chat_template=template,
-                          reasoning_parser=options.reasoning_parser, aliases=_aliases(options, engine))
+                          reasoning_parser=options.reasoning_parser, aliases=_aliases(options, engine),
+                          traffic=_traffic(options, engine))
     policy.capture = _capture(options)
     return build_app(engine, config, policy, tracer_provider=tracer_provider, autotune=autotune)
 
@@ -98,6 +99,31 @@ def _aliases(options: ServeOptions, engine: EngineClient) -> tuple:
         if a.sunset is not None:
             log.warning("model alias %s (-> %s) is deprecated: it goes away on %s", a.name, a.target, a.sunset)
     return aliases
+
+
+def _traffic(options: ServeOptions, engine: EngineClient):
+    """The rollouts and shadows (None: none), checked against the served models."""
+    if not options.rollout and not options.shadow:
+        return None
+    from tokenmill.server.rollouts import Thresholds, parse_rollout
+    from tokenmill.server.shadow import parse_shadow
+    from tokenmill.server.traffic import TrafficConfig
+
+    served = engine.model_names()
+    try:
+        thresholds = Thresholds(options.rollout_error_margin, options.rollout_latency_margin,
+                                options.rollout_min_requests, options.rollout_min_agreement,
+                                options.rollout_promote_after)
+        rollouts = tuple(parse_rollout(r, served) for r in options.rollout or ())
+        names = [*served, *(a.split("=", 1)[0].strip() for a in options.model_alias or ()), *(r.name for r in rollouts)]
+        if len(set(names)) < len(names):
+            raise ValueError("each --rollout needs a name of its own (not another rollout's or an alias's)")
+        shadows = tuple(parse_shadow(s, names, served) for s in options.shadow or ())
+        if len({s.name for s in shadows}) < len(shadows):
+            raise ValueError("one --shadow per name")
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+    return TrafficConfig(rollouts, shadows, thresholds)
 
 
 def _capture(options: ServeOptions):

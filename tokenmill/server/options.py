@@ -171,6 +171,25 @@ class ServeOptions:
         "Another name for the model, or for one snapshot of it: NAME=TARGET[@YYYY-MM-DD] (TARGET the served name or "
         "its snapshot id NAME@sha256:HEX, which pins it). With a date the alias is deprecated: its answers carry "
         "Deprecation and Sunset headers naming that day. Repeatable.")
+    rollout: list[str] | None = option(
+        None, "--rollout", "A canary: NAME=STABLE:WEIGHT,CANARY:WEIGHT over two served models. Requests for NAME "
+        "split by weight, sticky per `user` (or API key); the canary is rolled back when it does worse "
+        "(docs/rollouts.md). Repeatable.", only="serve")
+    shadow: list[str] | None = option(
+        None, "--shadow", "Mirror a share of the requests for NAME (a model, alias or rollout) to another served "
+        "model, compared and discarded: NAME=MODEL[:FRACTION]. Repeatable.", only="serve")
+    rollout_error_margin: float = option(0.05, "--rollout-error-margin", "Roll a canary back when its error rate "
+                                         "exceeds the stable arm's by more than this (0.05: five points)...",
+                                         only="serve")
+    rollout_latency_margin: float = option(0.5, "--rollout-latency-margin", "...or its p99 latency exceeds the "
+                                           "stable arm's times 1 + this.", only="serve")
+    rollout_min_requests: int = option(20, "--rollout-min-requests", "Outcomes each arm needs before the two are "
+                                       "compared.", only="serve")
+    rollout_min_agreement: float | None = option(
+        None, "--rollout-min-agreement", "...or fewer of its greedy answers than this share match the stable "
+        "model's on the same request (each checked after the answer; default: unchecked).", only="serve")
+    rollout_promote_after: int = option(0, "--rollout-promote-after", "Promote a canary still healthy after this "
+                                        "many requests (0: only by hand).", only="serve")
     capture: str = option("off", "--capture",
                           "Capture finished requests for `tokenmill replay` (snapshot id, resolved parameters, seed, "
                           "prompt and output token ids; no text): off, all, or keys (the keys added with "

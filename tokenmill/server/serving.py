@@ -66,6 +66,9 @@ class RequestContext:
     finalizers: list[Callable[[dict[str, Any] | None], None]] = field(default_factory=list)
     trace: Any = None  # tokenmill.server.telemetry.RequestTrace, when observed
     capture: Any = None  # tokenmill.server.capture.Recording, when the request is captured
+    route: Any = None  # tokenmill.server.traffic.Route: the rollout arm it was placed on, if any
+    params: Any = None  # the ResolvedParams it runs with, once prepared
+    observers: list[Callable[[RequestOutput], None]] = field(default_factory=list)  # see every engine output
     cost_usd: float | None = None  # what it was priced at (set by the pricer when it settles)
     status_code: int = 200  # the HTTP status it ended with
     _finished: bool = False
@@ -109,6 +112,7 @@ class BaseServing:
         # the engine's snapshot, with the server's own chat template when it has one (build_app)
         self.snapshot: Snapshot | None = engine.served(model_name).snapshot
         self.aliases: dict[str, Any] = {}  # name -> tokenmill.server.aliases.ModelAlias
+        self.rollouts: dict[str, str] = {}  # a rollout's name -> its stable model (traffic.py places requests)
         self.siblings: dict[str, BaseServing] = {model_name: self}  # one per model the engine serves
         self._host = engine if isinstance(engine, ModelHost) else None  # models loaded on demand
         self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
@@ -121,11 +125,13 @@ class BaseServing:
         gets the same 404 for the others. With `ctx`, the request runs on that model or
         adapter from here on."""
         alias = self.aliases.get(model) if model is not None else None
-        target = alias.target if alias is not None else model
+        # a rollout's name the ingress did not place (a dialect's early check, tokenize) is its stable model
+        target = alias.target if alias is not None else self.rollouts.get(model, model)
         name, pin = split_snapshot_id(target) if target is not None else (None, None)
         allowed = getattr(ctx.limits, "allowed_models", None) if ctx is not None else None
         try:
-            if allowed is not None and model not in allowed and name not in allowed:
+            rollout = ctx.route.rollout.name if ctx is not None and ctx.route is not None else None
+            if allowed is not None and model not in allowed and name not in allowed and rollout not in allowed:
                 raise UnknownModel(model, allowed)
             served = self.engine.served(name)
         except UnknownModel as exc:
@@ -217,6 +223,7 @@ class BaseServing:
             capped = cap is not None and resolved.max_tokens == cap and (params.max_tokens or cap + 1) > cap
             ctx.gate.reserve(ctx, num_prompt, resolved, capped)
         ctx.usage = self.usage(num_prompt, 0, 0)
+        ctx.params = resolved
         return resolved
 
     async def prepare_held(self, ctx: RequestContext, body, prompts: list[list[int]], params: SamplingParams
@@ -253,6 +260,8 @@ class BaseServing:
             self.metrics.observe_finished(out, self.answered_by(ctx))
         if ctx.capture is not None:
             ctx.capture.observe(out)
+        for observe in ctx.observers:
+            observe(out)
         if ctx.trace is not None:
             ctx.trace.observe(out)
 

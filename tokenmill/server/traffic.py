@@ -1,0 +1,219 @@
+"""Traffic control at the ingress, over several served models: canary rollouts
+(rollouts.py) and shadows (shadow.py).
+
+A request naming a rollout is placed on an arm before anything else reads its `model`:
+from then on it is a request for that arm's model (its tokenizer, template, limits and
+snapshot), and its answer says so (`model`, `system_fingerprint`, and the headers
+`x-tokenmill-model` and `x-tokenmill-rollout: NAME; arm=canary`). A canary request that
+fails before anything was reserved or sent (its model failed to load, does not fit, its
+queue is full, its engine is gone) is counted against the canary and answered by the
+stable arm: a broken candidate never fails a client request.
+
+The operator's routes (an admin key's, when keys are on): GET /v1/rollouts (every
+rollout and shadow, with their figures and decisions), GET /v1/rollouts/{name}, and
+POST /v1/rollouts/{name} with {"weights": {MODEL: W, MODEL: W}} or {"action":
+"promote" | "rollback"}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry
+
+from tokenmill.engine.api import ModelHost
+from tokenmill.server.errors import APIError
+from tokenmill.server.keys import Tenant
+from tokenmill.server.rollouts import Arm, Observed, Rollout, RolloutMetrics, RolloutSpec, Thresholds
+from tokenmill.server.serving import BaseServing, RequestContext
+from tokenmill.server.shadow import Shadows, ShadowSpec
+
+log = logging.getLogger("tokenmill.server")
+MAX_WEIGHT = 1_000_000
+
+
+@dataclass(frozen=True)
+class TrafficConfig:
+    rollouts: tuple[RolloutSpec, ...] = ()
+    shadows: tuple[ShadowSpec, ...] = ()
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+
+@dataclass
+class Route:
+    """Where one request was placed."""
+    rollout: Rollout
+    arm: Arm
+    observed: Observed
+    failed_over: bool = False
+
+    def headers(self) -> dict[str, str]:
+        tail = "; failover" if self.failed_over else ""
+        return {"x-tokenmill-model": self.arm.model,
+                "x-tokenmill-rollout": f"{self.rollout.name}; arm={self.arm.role}{tail}"}
+
+
+class AgreementCheck:
+    """A rollout's check of its canary's greedy answers: the same request run again on the
+    stable model after the answer (a Shadows target), the token ids compared."""
+
+    def __init__(self, rollout: Rollout):
+        self.rollout = rollout
+        self.spec = ShadowSpec(rollout.name, rollout.stable.model, 1.0)
+        self.running = 0
+
+    def wants(self, ctx: RequestContext, greedy: bool) -> bool:
+        r = self.rollout
+        return greedy and r.state == "running" and ctx.route is not None and ctx.route.arm is r.canary
+
+    def count(self, outcome: str) -> None:
+        """A check that did not run (dropped, skipped, the stable model failed) judges nothing."""
+
+    def compare(self, request_id: str, greedy: bool, primary: Observed, stable: Observed) -> None:
+        if greedy:
+            self.rollout.record_agreement(primary.tokens == stable.tokens)
+
+
+def sticky_key(raw: Request, body, keys_on: bool) -> str | None:
+    """The body's `user`, else (when keys are on: elsewhere any client's placeholder key
+    would put everyone on one side) a digest of the API key; None: placed at random."""
+    user = getattr(body, "user", None)
+    if user:
+        return f"user:{user}"
+    if keys_on:
+        scheme, _, token = raw.headers.get("authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else raw.headers.get("x-api-key", "").strip()
+        if token:
+            return "key:" + hashlib.sha256(token.encode()).hexdigest()
+    return None
+
+
+class Traffic:
+    def __init__(self, config: TrafficConfig, servings: dict[str, BaseServing], host: ModelHost | None,
+                 registry: CollectorRegistry, keys_on: bool):
+        metrics = RolloutMetrics(registry)
+        self.rollouts = {s.name: Rollout(s, config.thresholds, metrics) for s in config.rollouts}
+        self.shadows = Shadows(list(config.shadows), servings, host, registry)
+        self._checks = ({n: AgreementCheck(r) for n, r in self.rollouts.items()}
+                        if config.thresholds.min_agreement is not None else {})
+        self.keys_on = keys_on
+
+    def enter(self, ctx: RequestContext, raw: Request, body, operation: str) -> None:
+        """At admission: place a request for a rollout on an arm, and offer it to its shadow."""
+        requested = getattr(body, "model", None)
+        rollout = self.rollouts.get(requested)
+        if rollout is None and requested not in self.shadows.by_name:
+            return
+        observed = Observed(ctx.request_id)
+        ctx.observers.append(observed.observe)
+        allowed = getattr(ctx.limits, "allowed_models", None)
+        if rollout is not None and (allowed is None or requested in allowed):
+            arm = rollout.choose(sticky_key(raw, body, self.keys_on))
+            body.model = arm.model
+            ctx.route = Route(rollout, arm, observed)
+            ctx.finalizers.append(lambda _usage: self._settle(ctx.route, ctx.status_code))
+            if arm is rollout.canary and requested in self._checks:
+                self.shadows.attach(ctx, self._checks[requested], body, operation, observed)
+        self.shadows.offer(ctx, requested, body, operation, observed)
+
+    async def run(self, ctx: RequestContext, body, call: Callable[[], Awaitable]):
+        """`call()` (the serving's create, for body.model), once more on the stable arm if
+        the canary failed before it reserved or sent anything."""
+        route = ctx.route
+        try:
+            return await call()
+        except APIError as exc:
+            if route is None or route.arm is not route.rollout.canary or exc.status < 500 or ctx.usage is not None:
+                raise
+            rollout = route.rollout
+            log.warning("rollout %s: the canary %s failed (%s: %s); answering from %s", rollout.name,
+                        route.arm.model, exc.code, exc.message, rollout.stable.model)
+            rollout.record(route.arm, ok=False)
+            rollout.metrics.failovers.labels(rollout.name).inc()
+            route.arm, route.failed_over = rollout.stable, True
+            body.model = route.arm.model
+            return await call()
+
+    @staticmethod
+    def _settle(route: Route, status: int) -> None:
+        """A 5xx is the arm's error; a finished answer its success; a 4xx or an answer cut
+        short (the client went away) counts for neither."""
+        if status >= 500:
+            route.rollout.record(route.arm, ok=False)
+        elif status == 200 and route.observed.finished:
+            route.rollout.record(route.arm, ok=True, observed=route.observed)
+
+    @staticmethod
+    def headers(ctx: RequestContext | None) -> dict[str, str]:
+        return ctx.route.headers() if ctx is not None and ctx.route is not None else {}
+
+    def model_rows(self) -> list[dict]:
+        return [{"id": r.name, "object": "model", "owned_by": "tokenmill",
+                 "rollout": {"stable": r.stable.model, "canary": r.canary.model, "weights": r.weights(),
+                             "state": r.state}} for r in self.rollouts.values()]
+
+    def status(self) -> dict:
+        return {"object": "list", "data": [r.status() for r in self.rollouts.values()],
+                "shadows": self.shadows.status()}
+
+    async def stop(self) -> None:
+        await self.shadows.stop()
+
+    def add_routes(self, app: FastAPI) -> None:
+        def check(raw: Request, name: str | None = None) -> Rollout | None:
+            tenant: Tenant = raw.scope["state"]["tenant"]
+            if self.keys_on and not tenant.admin:
+                raise APIError(403, "rollouts are an operator's: they need an admin key (tokenmill keys add NAME "
+                                    "--admin)", code="permission_denied")
+            if name is None:
+                return None
+            rollout = self.rollouts.get(name)
+            if rollout is None:
+                raise APIError(404, f"no rollout {name!r} (rollouts: {', '.join(self.rollouts) or 'none'})",
+                               code="rollout_not_found")
+            return rollout
+
+        @app.get("/v1/rollouts")
+        async def rollouts(raw: Request) -> dict:
+            check(raw)
+            return self.status()
+
+        @app.get("/v1/rollouts/{name:path}")
+        async def rollout(name: str, raw: Request) -> dict:
+            return check(raw, name).status()
+
+        @app.post("/v1/rollouts/{name:path}")
+        async def change(name: str, raw: Request) -> dict:
+            r = check(raw, name)
+            body = await _json_object(raw)
+            if set(body) - {"weights", "action"} or len(body) != 1:
+                raise APIError(400, 'send one of {"weights": {MODEL: WEIGHT, ...}} or {"action": "promote" | '
+                                    '"rollback"}')
+            if "action" in body:
+                if body["action"] == "promote":
+                    return r.promote("operator")
+                if body["action"] == "rollback":
+                    return r.rollback("operator")
+                raise APIError(400, f"action must be promote or rollback, got {body['action']!r}", param="action")
+            w = body["weights"]
+            arms = {r.stable.model, r.canary.model}
+            if not isinstance(w, dict) or set(w) != arms or not all(
+                    type(v) is int and 0 <= v <= MAX_WEIGHT for v in w.values()) or not sum(w.values()):
+                raise APIError(400, f"weights must give each of {sorted(arms)} a whole number from 0 to "
+                                    f"{MAX_WEIGHT}, not all 0", param="weights")
+            return r.set_weights("running", "operator", stable=w[r.stable.model], canary=w[r.canary.model])
+
+
+async def _json_object(raw: Request) -> dict:
+    try:
+        body = json.loads(await raw.body() or b"null")
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
