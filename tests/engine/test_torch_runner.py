@@ -197,3 +197,47 @@ def test_device_resolution_and_gpu_sizing():
     # 80 GiB card, 60 free after the weights: at 0.9 the process may hold 72, so the pool gets 52
     assert gpu_cache_bytes(0.9, 60 * GiB, 80 * GiB) == 52 * GiB
     assert gpu_cache_bytes(0.5, 30 * GiB, 80 * GiB) == 0  # already past the share: nothing
+
+
+def _collect(engine, reqs):
+    """{request id: (tokens, [(token, logprob, top)] of the output, [(token, logprob)] of the prompt, drafts)}"""
+    got: dict[str, list] = {rid: [[], [], [], 0] for rid in reqs}
+    for rid, (ids, params) in reqs.items():
+        engine.add_request(rid, ids, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            g = got[o.request_id]
+            g[0] += o.new_token_ids
+            g[1] += [(t.token_id, t.logprob, t.top) for t in o.logprobs or []]
+            g[2] += [(t.token_id, t.logprob) for t in o.prompt_logprobs or [] if t is not None]
+            g[3] = max(g[3], o.num_draft_tokens)
+    return got
+
+
+def test_logprobs_penalties_and_drafts_as_on_the_native_runner(loaded):
+    """The steps the device cannot finish alone (logprobs, penalties, prompt logprobs: the
+    host sampler; speculative drafts: decode rows of one request) give the native runner's
+    tokens, and its logprobs within 1e-4."""
+    from tokenmill.config import SpeculativeConfig
+
+    reqs = {"lp": (_prompt(21, 1), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3,
+                                                  prompt_logprobs=2)),
+            "pen": (_prompt(30, 2), SamplingParams(temperature=0.8, seed=5, top_k=40, presence_penalty=0.5,
+                                                   repetition_penalty=1.2, max_tokens=12, ignore_eos=True)),
+            # its greedy output repeats itself ("189, 189, 189"): an n-gram draft is checked
+            "spec": (_prompt(12, 2), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))}
+    sched = SchedulerConfig(max_num_seqs=8, speculative=SpeculativeConfig(method="ngram"))
+    runs = {}
+    for runner in ("native", "torch"):
+        cfg = EngineConfig(cache=CacheConfig(block_size=BS, num_blocks=64), scheduler=sched, runner=runner)
+        runs[runner] = _collect(LLMEngine(loaded, cfg), {k: v for k, v in reqs.items() if k != "spec"})
+        runs[runner].update(_collect(LLMEngine(loaded, cfg), {"spec": reqs["spec"]}))
+    native, ours = runs["native"], runs["torch"]
+    assert ours["spec"][3] > 0  # drafts were checked
+    for rid in reqs:
+        assert ours[rid][0] == native[rid][0], rid
+    assert len(ours["lp"][1]) == 12 and len(ours["lp"][2]) == 20
+    for (t, lp, top), (nt, nlp, ntop) in zip(ours["lp"][1], native["lp"][1]):
+        assert t == nt and abs(lp - nlp) < 1e-4 and [i for i, _ in top] == [i for i, _ in ntop]
+    for (t, lp), (nt, nlp) in zip(ours["lp"][2], native["lp"][2]):
+        assert t == nt and abs(lp - nlp) < 1e-4
