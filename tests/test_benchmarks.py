@@ -69,7 +69,19 @@ def test_every_benchmark_has_a_quick_run() -> None:
     shared = {"race.peers", "race.table", "race.naive_server", "gpu.paged", "soak.traffic", "soak.batches",
               "soak.probe", "soak.faults", "soak.report"}
     found = {f"{p.parent.name}.{p.stem}" for p in ROOT.glob("benchmarks/*/*.py") if p.stem != "__init__"}
-    assert found - shared - {"gpu.check"} == set(QUICK)
+    assert found - shared - {"gpu.check", "gpu.engine_check"} == set(QUICK)
+
+
+@pytest.mark.slow
+def test_gpu_engine_check_on_cpu(tmp_path: Path) -> None:
+    """The engine's torch-runner check on a CPU: every phase ok (tokens against the CPU,
+    graphs on and off equal), throughput figures written."""
+    out = tmp_path / "engine.json"
+    proc = run("gpu.engine_check", "--device", "cpu", "--quick", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    phases = json.loads(out.read_text())["phases"]
+    assert phases["parity"]["ok"] and phases["graphs"]["ok"]
+    assert phases["decode_c4"]["eager"]["output_tok_s"] > 0
 
 
 @pytest.mark.slow

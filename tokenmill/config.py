@@ -173,6 +173,9 @@ class CacheConfig:
     # cache_control breakpoints (kept cached for their TTL): the share of the pool one
     # tenant may pin (all tenants together: at most half)
     pin_share_per_tenant: float = 0.25
+    # On a GPU (the torch runner on cuda), with no kv_cache_gb: the share of the device's
+    # memory the process may hold, the KV pool taking what the weights leave of it
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -185,6 +188,8 @@ class CacheConfig:
             raise ValueError(f"pin_share_per_tenant must be in [0, 0.5], got {self.pin_share_per_tenant}")
         if self.kv_disk_gb <= 0:
             raise ValueError(f"kv_disk_gb must be positive, got {self.kv_disk_gb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_disk_dir is not None and not self.enable_prefix_caching:
             raise ValueError("the KV disk tier keeps prefix-cache blocks: it needs prefix caching on")
 
@@ -217,6 +222,10 @@ def default_num_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+DEVICES = ("auto", "cpu", "cuda")
+RUNNERS = ("auto", "native", "torch")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
@@ -225,8 +234,22 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     num_threads: int | None = None  # None: the cores this process may use
     native_attention: bool = True  # the compiled paged-attention kernel (falls back to torch)
+    # Where the model runs: cpu, cuda, or auto (cuda when torch sees one). runner: native
+    # (the CPU kernels), torch (PyTorch ops only, any device: tokenmill/engine/torch_runner.py)
+    # or auto (torch on cuda, native on cpu). tokenmill/engine/device.py resolves both.
+    device: str = "cpu"
+    runner: str = "auto"
+    cuda_graphs: bool = True  # decode steps replayed as CUDA graphs (cuda only)
     bounds: RequestBounds = field(default_factory=RequestBounds)
     lora: LoraConfig = field(default_factory=LoraConfig)
     # A process engine whose child shows no sign of life (heartbeat, output) this long is
     # declared hung, killed and replaced (engine/process_engine.py); 0: never.
     hang_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.device == "cuda" and self.runner == "native":
+            raise ValueError("the native runner runs on the CPU only; cuda takes the torch runner")

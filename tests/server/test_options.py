@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
@@ -29,6 +30,15 @@ def test_defaults_make_the_engine_config_the_flags_describe():
     assert cfg.scheduler.max_num_seqs == 3 and cfg.bounds.max_body_bytes == 512 * 1024
     assert cfg.scheduler.speculative.method == "suffix" and cfg.scheduler.speculative.num_speculative_tokens == 2
     assert cfg.cache.kv_cache_dtype == "int8" and not cfg.cache.enable_prefix_caching
+
+
+def test_device_defaults_to_auto_and_cuda_without_a_gpu_is_refused():
+    cfg = ServeOptions().engine_config(resolve=False)
+    assert (cfg.device, cfg.runner, cfg.cuda_graphs, cfg.cache.gpu_memory_utilization) == ("auto", "auto", True, 0.9)
+    assert ServeOptions(device="cpu", runner="torch").engine_config(resolve=False).runner == "torch"
+    if not torch.cuda.is_available():
+        with pytest.raises(OptionError, match="--device cuda: torch sees no CUDA device"):
+            ServeOptions(device="cuda")
 
 
 def test_frozen_and_keyword_only():
@@ -71,6 +81,10 @@ def test_frozen_and_keyword_only():
     ({"block_size": 0}, "block_size must be positive"),
     ({"max_n": 0}, "max_n must be positive"),
     ({"batch_share": 2.0}, "batch_share must be in (0, 1]"),
+    ({"device": "tpu"}, "--device must be cpu or cuda, got 'tpu'"),
+    ({"runner": "torch", "quantization": "int4"}, "the torch runner (cuda) takes dense weights only"),
+    ({"runner": "fast"}, "runner must be one of auto, native, torch"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1]"),
 ])
 def test_bad_options_are_refused_with_one_line(kwargs, message):
     with pytest.raises(OptionError) as ei:

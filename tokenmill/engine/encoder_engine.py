@@ -148,7 +148,10 @@ def build_core(config: EngineConfig, defaults=None):
         from tokenmill.model.encoder_config import read_encoder_tokenizer
 
         return EncoderEngine(load_encoder(m.path), read_encoder_tokenizer(m.path), config)
+    from tokenmill.engine.device import resolve
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.model.loader import load_model
 
+    config = resolve(config)  # (the torch runner loads dense weights)
+    m = config.model
     return LLMEngine(load_model(m.path, m.dtype, m.quantization), config, defaults)

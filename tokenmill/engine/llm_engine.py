@@ -24,14 +24,17 @@ from tokenmill.engine.types import (EngineStats, GenerationDefaults, InvalidPara
                                     ResolvedParams, SamplingParams)
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.device import describe as describe_device, gpu_cache_bytes, resolve as resolve_device
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured.matchers import GrammarMatchers
+from tokenmill.engine.torch_runner import TorchRunner
 from tokenmill.kv.cache import KVCache
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tier import open_disk_tier
 from tokenmill.model.kernels import native_ops, native_ops_for
 from tokenmill.model.loader import LoadedModel
+from tokenmill.model.torch_paged import TorchKVCache, move_model
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -41,7 +44,7 @@ class LLMEngine:
                  defaults: GenerationDefaults | None = None):
         """`defaults`: what `add_request` fills a silent SamplingParams with (the engine
         fronts resolve requests themselves and pass ResolvedParams)."""
-        config = config or EngineConfig()
+        config = resolve_device(config or EngineConfig())
         self.defaults = defaults or generation_defaults({}, config.model)
         torch.set_num_threads(config.num_threads or default_num_threads())
         self.loaded = loaded
@@ -56,15 +59,27 @@ class LLMEngine:
         kv_dtype = torch.int8 if cc.kv_cache_dtype == "int8" else dtype
         per_block = KVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, cc.block_size,
                                             mcfg.head_dim, kv_dtype)
+        on_torch = config.runner == "torch"
+        if on_torch:  # the weights first, so that the KV pool gets what they leave of the device
+            move_model(loaded.model, torch.device(config.device))
         if cc.num_blocks is not None:
             num_blocks = cc.num_blocks
         else:
-            budget = cc.kv_cache_gb * 1024 ** 3 if cc.kv_cache_gb else default_cache_bytes()
+            if cc.kv_cache_gb:
+                budget = cc.kv_cache_gb * 1024 ** 3
+            elif config.device == "cuda":
+                budget = gpu_cache_bytes(cc.gpu_memory_utilization, *torch.cuda.mem_get_info())
+            else:
+                budget = default_cache_bytes()
             num_blocks = int(budget // per_block)
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget holds no block of {per_block} bytes")
-        self.kv_cache = KVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
-                                mcfg.head_dim, dtype, kv_dtype)
+        if on_torch:
+            self.kv_cache = TorchKVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
+                                         mcfg.head_dim, dtype, torch.device(config.device))
+        else:
+            self.kv_cache = KVCache(mcfg.num_layers, mcfg.num_kv_heads, num_blocks, cc.block_size,
+                                    mcfg.head_dim, dtype, kv_dtype)
         tier = None
         if cc.kv_disk_dir:  # its files are bound to the kernels that computed them, and the attention path
             kernels = f"{getattr(native_ops(), '__name__', 'none')}/{'native' if config.native_attention else 'torch'}"
@@ -81,15 +96,21 @@ class LLMEngine:
 
             ops = native_ops_for(mcfg.head_dim) if config.native_attention else None
             self.adapters = Adapters(loaded.model, config.lora, ops)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention)
+        if on_torch:
+            graphs = config.device == "cuda" and config.cuda_graphs
+            self.runner = TorchRunner(loaded.model, self.kv_cache, cc.block_size, torch.device(config.device),
+                                      max_rows=config.scheduler.max_num_seqs if graphs else 0,
+                                      max_blocks=-(-max_len // cc.block_size))
+        else:
+            self.runner = ModelRunner(loaded.model, self.kv_cache, cc.block_size, config.native_attention)
         self.outputs = OutputProcessor(self.tokenizer)
         self._groups: dict[str, list[str]] = {}  # user request id -> its samples' ids
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, user request id)
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.steps = 0
-        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", num_blocks, cc.block_size,
-                 num_blocks * per_block / 1024 ** 3, str(kv_dtype).removeprefix("torch."))
+        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s) on %s", num_blocks, cc.block_size,
+                 num_blocks * per_block / 1024 ** 3, str(kv_dtype).removeprefix("torch."), describe_device(config))
 
     # -- requests -----------------------------------------------------------------------
     @property

@@ -179,23 +179,7 @@ class ModelRunner:
                 logits = self.model.logits(hidden.index_select(0, torch.from_numpy(cu[1:][sample_rows] - 1)))
         if sample_rows:
             batch = self._sampling_batch([sch[i] for i in sample_rows], masks)
-            so = sample(logits, batch, greedy)
-            verified: set[str] = set()  # requests whose run of drafts has ended
-            for j, i in enumerate(sample_rows):
-                s = sch[i]
-                rid = s.request_id
-                if rid in verified:
-                    continue  # a row after a rejected draft: its token is not output
-                tok = so.token_ids[j]
-                toks = result.sampled.setdefault(rid, [])
-                toks.append(tok)
-                if s.params.logprobs is not None:
-                    k = s.params.logprobs
-                    top = list(zip(so.top_ids[j][:k], so.top_logprobs[j][:k])) if k else []
-                    result.logprobs.setdefault(rid, []).append(TokenLogprob(tok, so.logprobs[j], top))
-                d = s.draft_token_ids
-                if not (len(toks) <= len(d) and d[len(toks) - 1] == tok):
-                    verified.add(rid)
+            self._collect(sch, sample_rows, sample(logits, batch, greedy), result)
         for i in pool_rows:
             s = sch[i]
             rows = hidden[cu[i]:cu[i + 1]]
@@ -211,11 +195,38 @@ class ModelRunner:
                 result.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, hidden[cu[i]:cu[i + 1]])
         return result
 
+    @staticmethod
+    def _collect(sch: list[ScheduledRequest], sample_rows: list[int], so, result: RunnerOutput) -> None:
+        """The sampled rows' tokens (and logprobs) into `result`: a request with drafts gets
+        its rows' tokens up to the first that differs from its draft."""
+        verified: set[str] = set()  # requests whose run of drafts has ended
+        for j, i in enumerate(sample_rows):
+            s = sch[i]
+            rid = s.request_id
+            if rid in verified:
+                continue  # a row after a rejected draft: its token is not output
+            tok = so.token_ids[j]
+            toks = result.sampled.setdefault(rid, [])
+            toks.append(tok)
+            if s.params.logprobs is not None:
+                k = s.params.logprobs
+                top = list(zip(so.top_ids[j][:k], so.top_logprobs[j][:k])) if k else []
+                result.logprobs.setdefault(rid, []).append(TokenLogprob(tok, so.logprobs[j], top))
+            d = s.draft_token_ids
+            if not (len(toks) <= len(d) and d[len(toks) - 1] == tok):
+                verified.add(rid)
+
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor):
         """Score prompt tokens start+1 .. start+len (the ones this chunk's rows predict)."""
+        n = min(len(s.token_ids), len(s.prompt_token_ids) - 1 - s.start)
+        return self._prompt_logprobs_of(s, self.model.logits(hidden[:n]))
+
+    @staticmethod
+    def _prompt_logprobs_of(s: ScheduledRequest, logits: torch.Tensor):
+        """The prompt tokens' logprobs from the logits [n, vocab] (host) of the rows predicting them."""
         prompt = s.prompt_token_ids
-        n = min(len(s.token_ids), len(prompt) - 1 - s.start)
-        logprobs = torch.log_softmax(self.model.logits(hidden[:n]), dim=-1)
+        n = logits.shape[0]
+        logprobs = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(prompt[s.start + 1:s.start + 1 + n], dtype=torch.int64)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
         k = s.params.prompt_logprobs

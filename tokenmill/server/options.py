@@ -110,6 +110,11 @@ class ServeOptions:
                                     "reply thinks from its first token), qwen3 (it thinks if it opens <think>), or none; "
                                     "default: qwen3 when the chat template mentions <think>, else none.")
     kv_cache_gb: float | None = option(None, "--kv-cache-gb", "KV cache size (default: 1/4 of free memory, max 2 GiB).")
+    device: str | None = option(None, "--device", "cpu or cuda (default: cuda when torch sees one; said at start).")
+    runner: str = option("auto", "--runner", "native (CPU kernels), torch (PyTorch ops, any device), auto (torch on cuda).")
+    gpu_memory_utilization: float = option(0.9, "--gpu-memory-utilization",
+                                           "cuda: the share of GPU memory to hold; the KV cache gets what weights leave.")
+    cuda_graphs: bool = option(True, "--cuda-graphs/--no-cuda-graphs", "cuda: replay decode steps as CUDA graphs.")
     kv_cache_dtype: str = option("auto", "--kv-cache-dtype",
                                  "auto: the model's dtype; int8: K/V rows in int8 with a scale each (half of bf16's "
                                  "bytes, +0.26% perplexity).")
@@ -295,10 +300,22 @@ class ServeOptions:
         if self.engine_mode not in ENGINE_MODES:
             raise OptionError(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}")
         self._check_cluster()
+        self._check_device()
         try:
             self.engine_config(resolve=False)  # the engine config's own checks, before anything starts
         except ValueError as exc:
             raise OptionError(str(exc)) from None
+
+    def _check_device(self) -> None:
+        if self.device not in (None, "cpu", "cuda"):
+            raise OptionError(f"--device must be cpu or cuda, got {self.device!r}")
+        if (self.device == "cuda" or self.runner == "torch") and self.quantization in ("int8", "int4"):
+            raise OptionError(f"--quantization {self.quantization}: the torch runner (cuda) takes dense weights only")
+        if self.device == "cuda":  # (torch is loaded here only when cuda is asked for by name)
+            import torch
+
+            if not torch.cuda.is_available():
+                raise OptionError("--device cuda: torch sees no CUDA device here; drop --device to run on the CPU")
 
     @property
     def several_models(self) -> bool:
@@ -385,7 +402,8 @@ class ServeOptions:
             cache=CacheConfig(block_size=self.block_size, kv_cache_gb=self.kv_cache_gb,
                               enable_prefix_caching=self.prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
                               kv_disk_dir=self.kv_disk_dir, kv_disk_gb=self.kv_disk_gb,
-                              kv_disk_write_through=self.kv_disk_write_through),
+                              kv_disk_write_through=self.kv_disk_write_through,
+                              gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 decode_steps=self.decode_steps, batch_share=self.batch_share,
@@ -397,6 +415,7 @@ class ServeOptions:
             bounds=RequestBounds(max_n=self.max_n, max_body_bytes=int(self.max_body_mb * 1024 * 1024)),
             lora=self.lora_config(),
             hang_timeout_s=self.engine_hang_timeout,
+            device=self.device or "auto", runner=self.runner, cuda_graphs=self.cuda_graphs,
         )
 
     def lora_config(self) -> LoraConfig:
