@@ -38,6 +38,21 @@ from tokenmill.model.kernels import native_ops_for
 _NO_TEMPERATURES = torch.zeros(0)
 
 
+def flat_batch(sch: list[ScheduledRequest]):
+    """A step's rows laid end to end: (token ids [T], each row's length and start [S], the
+    query offsets [S + 1], each token's row [T] and position [T]), int64 numpy."""
+    S = len(sch)
+    lens = np.fromiter((len(s.token_ids) for s in sch), dtype=np.int64, count=S)
+    starts = np.fromiter((s.start for s in sch), dtype=np.int64, count=S)
+    T = int(lens.sum())
+    input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in sch), dtype=np.int64, count=T)
+    cu = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    seq_idx = np.repeat(np.arange(S), lens)
+    positions = np.arange(T) - cu[seq_idx] + starts[seq_idx]
+    return input_ids, lens, starts, cu, seq_idx, positions
+
+
 @dataclass
 class RunnerOutput:
     # the tokens each request got: one, or several from a burst or accepted drafts
@@ -96,14 +111,7 @@ class ModelRunner:
         """The flat batch: token ids, positions, the attention metadata, query offsets."""
         bs = self.block_size
         S = len(sch)
-        lens = np.fromiter((len(s.token_ids) for s in sch), dtype=np.int64, count=S)
-        starts = np.fromiter((s.start for s in sch), dtype=np.int64, count=S)
-        T = int(lens.sum())
-        input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in sch), dtype=np.int64, count=T)
-        cu = np.zeros(S + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-        seq_idx = np.repeat(np.arange(S), lens)
-        positions = np.arange(T) - cu[seq_idx] + starts[seq_idx]
+        input_ids, lens, starts, cu, seq_idx, positions = flat_batch(sch)
         max_blocks = max(len(s.block_ids) for s in sch)
         bt = np.zeros((S, max_blocks), dtype=np.int64)
         for i, s in enumerate(sch):

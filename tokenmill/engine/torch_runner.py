@@ -16,13 +16,12 @@ they mean on the CPU path.
 
 from __future__ import annotations
 
-from itertools import chain
 
 import numpy as np
 import torch
 
 from tokenmill.engine.decode_graphs import DecodeGraphs, cuda_capture, eager_capture
-from tokenmill.engine.runner import ModelRunner, RunnerOutput
+from tokenmill.engine.runner import ModelRunner, RunnerOutput, flat_batch
 from tokenmill.engine.sampler import SamplerOutput, sample
 from tokenmill.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenmill.model.torch_paged import PrefillChunk, TorchBatch, TorchKVCache, forward
@@ -60,20 +59,15 @@ class TorchRunner(ModelRunner):
         """The step's TorchBatch on the device, and the query offsets [S + 1] (host)."""
         bs = self.block_size
         S = len(sch)
-        lens = np.fromiter((len(s.token_ids) for s in sch), dtype=np.int64, count=S)
-        starts = np.fromiter((s.start for s in sch), dtype=np.int64, count=S)
-        T = int(lens.sum())
-        cu = np.zeros(S + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-        seq_idx = np.repeat(np.arange(S), lens)
-        positions = np.arange(T) - cu[seq_idx] + starts[seq_idx]
+        input_ids, lens, starts, cu, seq_idx, positions = flat_batch(sch)
+        T = len(input_ids)
         seq_lens = starts + lens
         widths = -(-seq_lens // bs)
         bt = np.zeros((S, int(widths.max())), dtype=np.int64)
         for i, s in enumerate(sch):
             bt[i, :widths[i]] = s.block_ids[:widths[i]]
         flat = np.empty((3, T), dtype=np.int64)
-        flat[0] = np.fromiter(chain.from_iterable(s.token_ids for s in sch), dtype=np.int64, count=T)
+        flat[0] = input_ids
         flat[1] = positions
         flat[2] = bt[seq_idx, positions // bs] * bs + positions % bs
         D = int(np.count_nonzero(lens == 1))
