@@ -52,6 +52,17 @@ def gpt(keyed):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=keys["alice"], max_retries=0, timeout=120)
 
 
+def test_a_system_message_mid_conversation_as_claude_code_sends_it(claude, gpt):
+    """Claude Code 2.1 puts system reminders in `messages` with role system: read as chat's
+    system messages are, where they stand."""
+    turn = [*ASK, {"role": "system", "content": [{"type": "text", "text": "Answer in one line."}]}]
+    msg = claude.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, system=SYSTEM, messages=turn)
+    chat = gpt.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": SYSTEM}, *ASK, {"role": "system", "content": "Answer in one line."}])
+    assert msg.content[0].text == chat.choices[0].message.content
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+
+
 def test_plain_answer_is_the_chat_answer(claude, gpt):
     msg = claude.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, system=SYSTEM, messages=ASK)
     chat = gpt.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,

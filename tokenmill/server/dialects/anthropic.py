@@ -27,7 +27,8 @@ RENAMES = {"stop": "stop_sequences", "response_format": "output_config"}  # chat
 
 
 class MessageParam(_Body):
-    role: Literal["user", "assistant"]
+    # "system" too: Claude Code 2.1 sends system reminders as system messages mid-conversation
+    role: Literal["user", "assistant", "system"]
     content: Union[StrictStr, list[dict[str, Any]]]
 
 
