@@ -327,3 +327,14 @@ def test_fuzz_route(world, route, phase):
     if phase == "positive" and route not in REFUSED:
         assert 200 in statuses, f"no positive case succeeded: {statuses}"
 
+
+def test_lora_routes_beside_several_models_refuse_cleanly(world):
+    """The fuzz's first find: with several models the LoRA routes answered 500 (the model
+    router had no adapter methods); now a clear 400 and 404."""
+    admin = {"authorization": f"Bearer {world.keys['admin']}"}
+    r = httpx.post(world.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"},
+                   headers=admin, timeout=TIMEOUT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert "several models" in r.json()["error"]["message"]
+    r = httpx.post(world.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=admin, timeout=TIMEOUT_S)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
