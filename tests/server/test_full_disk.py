@@ -117,8 +117,8 @@ def test_a_full_disk_fails_writes_cleanly_and_keeps_what_is_stored(volumes):
         resp = httpx.post(srv.url + "/v1/responses", timeout=120,
                           json={"model": MODEL, "input": "Say hi", "max_output_tokens": 2})
         assert resp.status_code == 200, resp.text
+        stored = httpx.get(f"{srv.url}/v1/responses/{resp.json()['id']}", timeout=30).json()
         assert chat(srv).status_code == 200
-        kv_writes = metric(srv, "tokenmill_kv_disk_used_bytes")
 
         kv_faults = metric(srv, "tokenmill_kv_disk_faults_total")
         caught = httpx.post(srv.url + "/v1/batches", timeout=60, json={  # its lines end while the disk is full
@@ -139,7 +139,7 @@ def test_a_full_disk_fails_writes_cleanly_and_keeps_what_is_stored(volumes):
         assert r.status_code == 200, r.text
         assert metric(srv, "tokenmill_kv_disk_faults_total") > kv_faults
         assert httpx.get(f"{srv.url}/v1/files/{before['output_file_id']}/content", timeout=30).content == results
-        assert httpx.get(f"{srv.url}/v1/responses/{resp.json()['id']}", timeout=30).status_code == 200
+        assert httpx.get(f"{srv.url}/v1/responses/{resp.json()['id']}", timeout=30).json() == stored
         assert httpx.get(f"{srv.url}/v1/batches/{before['id']}", timeout=30).json() == before
         time.sleep(2)  # the caught batch's lines run, and their results wait for room
 
@@ -152,7 +152,7 @@ def test_a_full_disk_fails_writes_cleanly_and_keeps_what_is_stored(volumes):
         after = run_batch(srv, g.json()["id"])
         assert after["status"] == "completed", after
         assert httpx.get(f"{srv.url}/v1/files/{before['output_file_id']}/content", timeout=30).content == results
-        assert httpx.get(f"{srv.url}/v1/responses/{resp.json()['id']}", timeout=30).status_code == 200
+        assert httpx.get(f"{srv.url}/v1/responses/{resp.json()['id']}", timeout=30).json() == stored
         assert httpx.post(srv.url + "/v1/responses", timeout=120,
                           json={"model": MODEL, "input": "Say hi", "max_output_tokens": 2}).status_code == 200
         # the batch caught by the fault: every line's result exactly once
