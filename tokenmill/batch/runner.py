@@ -263,6 +263,9 @@ class BatchRunner:
                 self.store.fail(batch_id, errors[:self.MAX_REPORTED_ERRORS], total)
             elif not self.store.start(batch_id, [(n, cid, url, json.dumps(body)) for n, cid, url, body in lines]):
                 pass  # cancelled while validating: finalized as cancelled by the next tick
+        except StoreBusy as exc:  # locked or full: left validating, validated again a little later
+            log.warning("validating batch %s: %s", batch_id, exc)
+            await asyncio.sleep(BUSY_RETRY_S)  # (held in _validating meanwhile: no tick starts it again at once)
         except FileNotFoundError:
             self.store.fail(batch_id, [{"code": "file_not_found", "message": "the input file is gone",
                                         "param": "input_file_id", "line": None}], 0)

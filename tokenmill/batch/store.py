@@ -23,6 +23,7 @@ under another process's write lock (WAL).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -71,13 +72,33 @@ class StoreBusy(RuntimeError):
     """Another process holds the database's lock (past BUSY_S): try again later."""
 
 
+class StoreFull(StoreBusy):
+    """The disk under the data directory is full: nothing was written (each change is one
+    transaction; a file is written beside its final name and moved into place), so what
+    was stored stays whole. Try again once there is room; the batch runner does, as it
+    does for a busy store."""
+
+
 BUSY_S = 0.0  # how long a call waits for another process's lock on the database (see above)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: a file-size limit (RLIMIT_FSIZE, quotas)
 
 
 def _busy(exc: sqlite3.OperationalError) -> Exception:
+    return storage_error(exc, "the batch store")
+
+
+def storage_error(exc: BaseException, what: str) -> BaseException:
+    """`exc` from a write under the data directory as StoreBusy or StoreFull where it is
+    one of those (SQLite reports a full disk as SQLITE_FULL, "database or disk is full"),
+    else `exc` itself."""
     text = str(exc)
-    if "locked" in text or "busy" in text:
-        return StoreBusy(f"the batch store's database is locked by another process ({text}); retry shortly")
+    if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text):
+        return StoreBusy(f"{what}'s database is locked by another process ({text}); retry shortly")
+    full = (isinstance(exc, sqlite3.OperationalError) and "disk is full" in text) or (
+        isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS)
+    if full:
+        return StoreFull(f"{what} cannot write: the disk under the data directory is full ({text}); nothing was "
+                         "stored, retry once there is room")
     return exc
 
 
@@ -168,12 +189,14 @@ class BatchStore:
         def __exit__(self, exc_type, exc, tb):
             try:
                 self.store._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-            except sqlite3.OperationalError as exc:
+            except sqlite3.OperationalError as err:
                 if self.store._db.in_transaction:
                     self.store._db.execute("ROLLBACK")
-                raise _busy(exc) from None
+                raise _busy(err) from None
             finally:
                 self.store._mu.release()
+            if isinstance(exc, sqlite3.OperationalError) and _busy(exc) is not exc:  # (rolled back above)
+                raise _busy(exc) from None
             return False
 
     def _tx(self) -> BatchStore._Tx:
@@ -363,17 +386,21 @@ class BatchStore:
     def _write(self, batch_id: str, ok: bool, code: str, message: str) -> tuple[Path, int, int]:
         tmp = self.files_dir / f".{batch_id}.{'out' if ok else 'err'}.tmp"
         count = 0
-        with open(tmp, "w", encoding="utf-8") as f:
-            for line, custom_id, result in self._results(batch_id, ok):
-                if result is None:  # never finished: cancelled or expired
-                    result = json.dumps({"id": _derived_id("batch_req", batch_id, line), "custom_id": custom_id,
-                                         "response": None, "error": {"code": code, "message": message}},
-                                        separators=(",", ":"))
-                f.write(result + "\n")
-                count += 1
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for line, custom_id, result in self._results(batch_id, ok):
+                    if result is None:  # never finished: cancelled or expired
+                        result = json.dumps({"id": _derived_id("batch_req", batch_id, line), "custom_id": custom_id,
+                                             "response": None, "error": {"code": code, "message": message}},
+                                            separators=(",", ":"))
+                    f.write(result + "\n")
+                    count += 1
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+        except OSError as exc:  # a full disk: the batch stays finalizing, written again on a later tick
+            tmp.unlink(missing_ok=True)
+            raise storage_error(exc, "the batch store") from None
         return tmp, size, count
 
     def _results(self, batch_id: str, ok: bool) -> Iterator[tuple[int, str, str | None]]:

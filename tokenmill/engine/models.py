@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from tokenmill.config import EngineConfig
 from tokenmill.engine.api import EngineClient, ModelUnavailable, ServedModel, UnknownModel, check_knobs
 from tokenmill.engine.model_memory import GiB, default_budget_bytes, default_kv_cache_gb, rss_bytes, weights_bytes
-from tokenmill.engine.types import EngineDeadError, EngineStats, Priority, RequestOutput, ResolvedParams
+from tokenmill.engine.types import (EngineDeadError, EngineStats, InvalidParameter, Priority, RequestOutput,
+                                    ResolvedParams)
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -237,6 +238,15 @@ class ModelRouter:
         for m in self._models.values():
             if m.state == LOADED:
                 m.engine.tune(**knobs)
+
+    async def load_adapter(self, name: str, path: str) -> dict:
+        # an adapter belongs to one base model's engine, which may be unloaded and restarted
+        # at any time here: not built (the routes answered 500 for want of these methods)
+        raise InvalidParameter("lora_name", "LoRA adapters are served by `tokenmill serve` with one model, not "
+                                            "beside several models")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise UnknownModel(name, self.model_names())
 
     # -- loading and unloading ----------------------------------------------------------
     async def acquire(self, model: str | None, keep_alive: float | None = None) -> _Lease:

@@ -21,7 +21,7 @@ from starlette.responses import FileResponse, JSONResponse
 
 from tokenmill.batch.runner import (ENDPOINTS, BatchLimits, BatchRunner, LineError, LineOutcome,
                                     parse_window)
-from tokenmill.batch.store import BatchStore
+from tokenmill.batch.store import BatchStore, storage_error
 from tokenmill.engine.api import EngineDeadError
 from tokenmill.server.errors import APIError, as_api_error
 from tokenmill.server.keys import KeyStore, Tenant
@@ -185,7 +185,10 @@ def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner, limit
                 return size, lines + (last != b"\n")  # a last line without its newline
 
             try:
-                size, lines = await asyncio.to_thread(copy)
+                try:
+                    size, lines = await asyncio.to_thread(copy)
+                except OSError as exc:  # a full disk: 507, the partial copy removed below
+                    raise storage_error(exc, "the file store") from None
                 if lines > limits.max_lines:
                     raise APIError(400, f"a batch file may have at most {limits.max_lines} lines, this has {lines}",
                                    param="file")

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.batch.store import StoreBusy
+from tokenmill.batch.store import StoreBusy, StoreFull
 from tokenmill.engine.api import (AdmissionError, EngineBusy, EngineDeadError, EngineHungError, InvalidParameter,
                                   ModelUnavailable, UnknownModel)
 
@@ -25,6 +25,7 @@ _TYPES = {
     404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
     413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
     499: "client_closed_request", 500: "server_error", 503: "service_unavailable", 504: "timeout",
+    507: "insufficient_storage",
 }
 
 
@@ -87,6 +88,8 @@ def as_api_error(exc: Exception) -> APIError | None:
     if isinstance(exc, ModelUnavailable):
         headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
         return APIError(503, str(exc), param="model", code=exc.code, headers=headers)
+    if isinstance(exc, StoreFull):  # 507 Insufficient Storage (RFC 4918): the server's disk, not the request
+        return APIError(507, str(exc), code="insufficient_storage", headers={"Retry-After": "60"})
     if isinstance(exc, StoreBusy):
         return APIError(503, str(exc), code="store_busy", headers={"Retry-After": "1"})
     if isinstance(exc, EngineHungError):  # (a restart follows: a retry finds the new engine)

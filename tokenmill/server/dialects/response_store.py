@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill.batch.store import storage_error
+
 RETENTION_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days
 
 _SCHEMA = """
@@ -70,14 +72,17 @@ class ResponseStore:
         """Write (or rewrite: a background response's later states) one response."""
         now = time.time()
         with self._mu:
-            self._db.execute("DELETE FROM responses WHERE expires_at < ?", (now,))
-            self._db.execute(
-                "INSERT INTO responses (id, tenant, created_at, expires_at, status, background, response, "
-                "conversation) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
-                "status = excluded.status, response = excluded.response, conversation = excluded.conversation "
-                "WHERE tenant = excluded.tenant",
-                (response["id"], tenant, response["created_at"], now + self.retention_s, response["status"],
-                 int(bool(response.get("background"))), json.dumps(response), json.dumps(conversation)))
+            try:
+                self._db.execute("DELETE FROM responses WHERE expires_at < ?", (now,))
+                self._db.execute(
+                    "INSERT INTO responses (id, tenant, created_at, expires_at, status, background, response, "
+                    "conversation) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                    "status = excluded.status, response = excluded.response, conversation = excluded.conversation "
+                    "WHERE tenant = excluded.tenant",
+                    (response["id"], tenant, response["created_at"], now + self.retention_s, response["status"],
+                     int(bool(response.get("background"))), json.dumps(response), json.dumps(conversation)))
+            except sqlite3.OperationalError as exc:  # a full disk (507) or a lock held elsewhere (503)
+                raise storage_error(exc, "the response store") from None
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         with self._mu:
