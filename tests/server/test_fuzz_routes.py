@@ -45,7 +45,10 @@ EXEMPT: dict[tuple[str, str], str] = {
     **{("POST", p): "fuzzed over its OpenAPI body in test_fuzz.py" for p in BODY_ROUTES},
 }
 ADMIN_ROUTES = {("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
-                ("POST", "/v1/models/{model:path}/load"), ("POST", "/v1/models/{model:path}/unload")}
+                ("POST", "/v1/models/{model:path}/load"), ("POST", "/v1/models/{model:path}/unload"),
+                ("GET", "/v1/rollouts"), ("GET", "/v1/rollouts/{name:path}"), ("POST", "/v1/rollouts/{name:path}")}
+CANARY = "tiny-canary"  # a second tiny model: the rollout's canary arm
+ROLLOUT = f"ship={TINY}:90,{CANARY}:10"  # a rollout, so that its operator routes exist
 WORDS = ("limit", "after", "order", "purpose", "window", "before", "model", "")
 # routes whose well-formed requests are refused here all the same: no adapter on disk, a
 # batch or response that finished before it could be cancelled
@@ -82,12 +85,13 @@ class Call:
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     make_tiny(str(root / TINY))
+    make_tiny(str(root / CANARY), seed=1)
     db = tmp_path_factory.mktemp("keys") / "keys.db"
     keys = {"admin": add_key(db, "ops", "--admin"), "user": add_key(db, "acme"), "none": None,
             "wrong": "tm-" + "0" * 40}
     srv = ServerProcess("--model", str(root / TINY), "--models-dir", str(root), "--keys-db", str(db),
                         "--capture", "all", "--kv-cache-gb", "0.05", "--max-model-len", "256",
-                        "--max-output-tokens", "2").wait_ready()
+                        "--max-output-tokens", "2", "--rollout", ROLLOUT).wait_ready()
     w = World(srv.url, keys, models=[TINY])
     try:
         user = {"authorization": f"Bearer {keys['user']}"}
@@ -202,7 +206,8 @@ def calls(w: World, route: tuple[str, str], phase: str) -> st.SearchStrategy[Cal
     caller = positive_caller(route) if pos else negative_caller()
     ids = {"file_id": st.sampled_from(w.spare_files if method == "DELETE" else w.files),
            "batch_id": st.sampled_from(w.batches), "response_id": st.sampled_from(w.spare_responses if method == "DELETE" else w.responses),
-           "model:path": st.sampled_from(w.models), "name": st.sampled_from(["console.js", "console.css"])}
+           "model:path": st.sampled_from(w.models),
+           "name": st.sampled_from(["console.js", "console.css"]), "name:path": st.just("ship")}
     # the path: known ids in the positive phase, any text in the negative one
     names = [p.strip("{}") for p in template.split("/") if p.startswith("{")]
     parts = st.fixed_dictionaries({n: ids[n] if pos else TEXT.map(seg) for n in names})
@@ -232,6 +237,12 @@ def calls(w: World, route: tuple[str, str], phase: str) -> st.SearchStrategy[Cal
         kwargs = st.fixed_dictionaries({"lora_name": st.text(min_size=1, max_size=20)}
                                        ).map(lambda v: {"json": v}) if pos else body(
             {"lora_name": TEXT, "lora_int_id": st.integers()})
+    elif route == ("POST", "/v1/rollouts/{name:path}"):
+        kwargs = st.one_of(
+            st.builds(lambda a, b: {"json": {"weights": {TINY: a, CANARY: b}}}, st.integers(1, 100),
+                      st.integers(0, 100)),
+            st.sampled_from([{"json": {"action": "promote"}}, {"json": {"action": "rollback"}}])) if pos else body(
+            {"weights": st.dictionaries(TEXT, st.integers() | st.floats() | TEXT, max_size=3), "action": TEXT})
     elif template.startswith("/v1/models/"):
         kwargs = st.sampled_from([{}, {"json": {"keep_alive": "5m"}}, {"json": {"keep_alive": 60}}]) if pos \
             else body({"keep_alive": TEXT | st.integers() | st.floats()})
@@ -261,10 +272,11 @@ def route_table(model_dir: str, keys_db: str, data_dir: str) -> set[tuple[str, s
     from tokenmill.server.options import ServeOptions
 
     options = ServeOptions(model=[os.path.join(model_dir, TINY)], models_dir=model_dir, keys_db=keys_db,
-                           data_dir=data_dir, capture="all")
+                           data_dir=data_dir, capture="all", rollout=[ROLLOUT])
     policy = launch._policy(options)
     policy.capture = launch._capture(options)
-    app = build_app(launch._engine(options), ServerConfig(), policy)
+    engine = launch._engine(options)
+    app = build_app(engine, ServerConfig(traffic=launch._traffic(options, engine)), policy)
     try:
         return {(m, path) for path, r in walk(app.routes) for m in getattr(r, "methods", ()) if m != "HEAD"}
     finally:
@@ -293,11 +305,13 @@ FUZZED = sorted({
     ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
     ("POST", "/v1/models/{model:path}/load"), ("POST", "/v1/models/{model:path}/unload"),
     ("POST", "/rerank"),
+    ("GET", "/v1/rollouts"), ("GET", "/v1/rollouts/{name:path}"), ("POST", "/v1/rollouts/{name:path}"),
 })
 
 
 def test_every_route_is_fuzzed(tmp_path):
     make_tiny(str(tmp_path / TINY))
+    make_tiny(str(tmp_path / CANARY), seed=1)
     db = tmp_path / "keys.db"
     add_key(db, "ops", "--admin")
     table = route_table(str(tmp_path), str(db), str(tmp_path / "data"))
