@@ -4,6 +4,7 @@ dequantized weights, in the same run, as ratios; and batch-1 decode against the
 memory-bandwidth bound (bytes of weights one decode step reads / measured copy bandwidth).
 
     python -m benchmarks.engine.model_speed [--dtypes float32,bfloat16,int4] [--repeat 3] [--quick]
+    python -m benchmarks.engine.model_speed --model qwen2.5-coder-1.5b   # another GGUF: the bound table
 
 Each figure is the median of --repeat runs after one warm-up. tokenmill runs through its
 offline engine (paged KV, the same code path the server uses) in its default configuration,
@@ -38,10 +39,11 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 def ours(name: str, prompt: list[int], decode_tokens: int, repeat: int,
          decode_steps: int = SchedulerConfig.decode_steps, kv_cache_dtype: str = "auto",
-         copy_mb: int = 1024) -> dict[str, float]:
+         copy_mb: int = 1024, model: str | None = None) -> dict[str, float]:
     dtype, quant = CONFIGS[name]
     t0 = time.perf_counter()
-    loaded = load_model(None, dtype, quant)
+    # another model (--model) runs as the server runs it: its file's own blocks (auto)
+    loaded = load_model(model, dtype, quant if model is None else "auto")
     load_s = time.perf_counter() - t0
     # No prefix caching: every run must prefill the whole prompt.
     llm = LLM(loaded, config=EngineConfig(cache=CacheConfig(kv_cache_gb=0.25, enable_prefix_caching=False,
@@ -119,13 +121,26 @@ def main() -> None:
                     help="only the bandwidth-bound table (no transformers reference runs)")
     ap.add_argument("--quick", action="store_true", help="smoke run: int4, 32 + 8 tokens, one run, no "
                                                          "transformers")
+    ap.add_argument("--model", default=None,
+                    help="another GGUF (a path or an installed model's name): the bandwidth-bound table alone, "
+                         "its weights run as the server runs them (--quantization auto)")
     args = ap.parse_args()
+    if args.model is not None:
+        from tokenmill.model.registry import resolve
+
+        args.model, args.bound_only, args.dtypes = resolve(args.model), True, "int4"
     copy_mb = 1024
     if args.quick:
         args.dtypes, args.prompt_tokens, args.decode_tokens, args.repeat = "int4", 32, 8, 1
         args.bound_only, copy_mb = True, 64
     torch.set_num_threads(default_num_threads())
-    tok = load_model(None, "float32").tokenizer
+    if args.model is None:
+        tok = load_model(None, "float32").tokenizer
+    else:
+        from tokenmill.model.gguf_loader import GGUFFile
+        from tokenmill.model.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf_metadata(GGUFFile(args.model).metadata)
     prompt = prompt_ids(tok, args.prompt_tokens)
     print(f"threads {torch.get_num_threads()}, prompt {len(prompt)} tokens, decode {args.decode_tokens} tokens, "
           f"median of {args.repeat}")
@@ -133,7 +148,7 @@ def main() -> None:
               "|---|---|---|---|---|---|")
     rows, bound_rows = [], []
     for name in args.dtypes.split(","):
-        a = ours(name, prompt, args.decode_tokens, args.repeat, copy_mb=copy_mb)
+        a = ours(name, prompt, args.decode_tokens, args.repeat, copy_mb=copy_mb, model=args.model)
         # transformers has no counterpart of our int4 kernels: that row compares with its bf16
         b = None if args.bound_only else reference(CONFIGS[name][0], prompt, args.decode_tokens, args.repeat)
         if b:
@@ -142,7 +157,7 @@ def main() -> None:
                         f"{a['decode'] / b['decode']:.2f}x |")
             print(rows[-1], flush=True)
         runs = [(name, a)]  # the default: greedy decode steps in bursts (SchedulerConfig.decode_steps)
-        if SchedulerConfig.decode_steps > 1 and name == "int4" and not args.quick:
+        if SchedulerConfig.decode_steps > 1 and name == "int4" and not args.quick and args.model is None:
             # what the native multi-step loop buys: the same engine, one step at a time
             runs.append((f"{name}, one step at a time (decode_steps=1)",
                          ours(name, prompt, args.decode_tokens, args.repeat, 1, copy_mb=copy_mb)))
