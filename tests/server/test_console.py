@@ -230,3 +230,43 @@ def test_tenant_dashboard_shows_only_itself(live, browser):
         assert p.errors == []
     finally:
         p.close()
+
+
+def test_dashboard_shows_rollouts_and_their_decisions(tmp_path, browser):
+    """A server with a rollout: the admin's dashboard lists it with each arm's weight and
+    traffic, and an operator's rollback appears as its last decision; a tenant sees none."""
+    from tests.server.test_multimodel import TINY, make_tiny
+
+    make_tiny(str(tmp_path / TINY))
+    make_tiny(str(tmp_path / "tiny-canary"), seed=1)
+    db = tmp_path / "keys.db"
+    admin, user = add_key(db, "ops", "--admin"), add_key(db, "carol")
+    srv = ServerProcess("--model", str(tmp_path / TINY), "--models-dir", str(tmp_path), "--keys-db", str(db),
+                        "--rollout", f"ship={TINY}:70,tiny-canary:30").wait_ready()
+    p = Page(browser, srv.url)
+    try:
+        auth = {"authorization": f"Bearer {admin}"}
+        for i in range(4):
+            r = httpx.post(srv.url + "/v1/chat/completions", headers=auth, timeout=120, json={
+                "model": "ship", "user": f"u{i}", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+        p.set_key(admin)
+        p.page.click("#tab-dashboard")
+        row = p.page.locator("#rollouts tr[data-rollout='ship']")
+        expect(row).to_contain_text(f"{TINY}: weight 70")
+        expect(row).to_contain_text("tiny-canary: weight 30")
+        expect(row).to_contain_text("running")
+        served = sum(int(m) for m in re.findall(r"(\d+) req", row.text_content() or ""))
+        assert served == 4
+        r = httpx.post(srv.url + "/v1/rollouts/ship", headers=auth, json={"action": "rollback"}, timeout=30)
+        assert r.status_code == 200, r.text
+        expect(row).to_contain_text("rollback by operator")
+        expect(row).to_contain_text("tiny-canary: weight 0")
+        p.shot("dashboard-rollouts")
+        p.set_key(user)
+        expect(p.page.locator("#dash-scope")).to_contain_text("tenant carol")
+        assert p.page.is_hidden("#rollouts")
+        assert p.errors == []
+    finally:
+        p.close()
+        srv.stop()

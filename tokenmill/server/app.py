@@ -330,6 +330,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         out["tenants"] = rows
         if runner is not None:
             out["batches"] = runner.store.status_counts(None if admin else tenant.name)
+        if admin and traffic is not None and traffic.rollouts:  # (the console shows them)
+            out["rollouts"] = traffic.status()["data"]
         if tuner is not None and admin:
             out["autotune"] = tuner.status()
         replicas = engine.replica_stats() if admin else None  # behind `tokenmill cluster serve`

@@ -263,6 +263,7 @@ function renderStats(s) {
   document.querySelector("#tenants tbody").replaceChildren(...rows);
   $("batches-title").hidden = !s.batches;
   chips($("batch-counts"), s.batches);
+  renderRollouts(s.rollouts);
   const sr = s.series;
   const ms = (arr) => arr.map((v) => (v === null ? null : v * 1000));
   drawChart($("chart-tps"), sr.t, [sr.output_tps, sr.prompt_tps]);
@@ -307,6 +308,26 @@ function drawChart(canvas, t, series) {
     });
     g.stroke();
   });
+}
+
+// Rollouts (an admin's view, served with --rollout): each arm's weight, requests and
+// errors, and the last decision with who took it and why.
+function renderRollouts(rollouts) {
+  $("rollouts-title").hidden = !rollouts || !rollouts.length;
+  $("rollouts").hidden = $("rollouts-title").hidden;
+  const arm = (a) => `${a.model}: weight ${fmtInt(a.weight)} · ${fmtInt(a.requests)} req · ${fmtInt(a.errors)} err`;
+  const rows = (rollouts || []).map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.rollout = r.id;
+    const d = r.decisions.length ? r.decisions[r.decisions.length - 1] : null;
+    const last = d ? `${d.action} by ${d.by} at ${new Date(d.time * 1000).toLocaleTimeString()}` +
+      (d.evidence ? ` (${d.evidence.rule})` : "") : "none";
+    const agree = r.agreement && r.agreement.checked ? `${(100 * r.agreement.rate).toFixed(0)}% of ${r.agreement.checked}` : "–";
+    const cells = [r.id, r.state, arm(r.stable), arm(r.canary), agree, last];
+    tr.replaceChildren(...cells.map((c) => { const td = document.createElement("td"); td.textContent = c; return td; }));
+    return tr;
+  });
+  document.querySelector("#rollouts tbody").replaceChildren(...rows);
 }
 
 async function pollStats() {
