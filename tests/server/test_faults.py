@@ -170,24 +170,18 @@ def test_a_batch_store_locked_by_another_process(tmp_path):
 def test_an_engine_stopped_while_it_loads_fails_the_start():
     """Stopped before it is ready, the engine would hold the start (or a restart) forever:
     past three times the hang timeout the server gives up with a clear line instead."""
-    from tests.server.test_hardening import descendants
-
     srv = ServerProcess("--engine-hang-timeout", "1")
     stopped = None
     try:
         deadline = time.monotonic() + 30
         while stopped is None and time.monotonic() < deadline and srv.proc.poll() is None:
-            for pid in descendants(srv.proc.pid):
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        cmd = f.read()
-                except OSError:
-                    continue
-                if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped = pid, time.monotonic()
-                    break
-            time.sleep(0.01)
+            try:
+                pid = engine_child(srv)
+            except AssertionError:  # not forked yet
+                time.sleep(0.01)
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            stopped = pid, time.monotonic()
         assert stopped is not None, "no engine child was seen loading"
         code = srv.proc.wait(timeout=60)
         took = time.monotonic() - stopped[1]

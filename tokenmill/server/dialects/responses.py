@@ -165,7 +165,7 @@ def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
                 if not isinstance(t.get("name"), str) or not isinstance(t.get("tools"), list):
                     raise APIError(400, f"tools.{i}: a namespace tool has a name and a list of tools", param="tools")
                 members = [(flat_name(t["name"], f["name"]), f)
-                           for j, f in enumerate(t["tools"]) if _function(f, f"tools.{i}.tools.{j}")]
+                           for f in (_function(f, f"tools.{i}.tools.{j}") for j, f in enumerate(t["tools"]))]
             else:
                 if kind != "function" or not isinstance(t.get("name"), str):
                     raise APIError(400, f"tools.{i}: tools of type {kind!r} are not supported (function and "
