@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any
 
-from benchmarks.soak.traffic import Client, Outcome, answer_of, error_code
+from benchmarks.soak.traffic import ENGINE_FAULT_CODES, Client, Outcome, answer_of, error_code
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 POLL_S = 1.0
@@ -87,7 +87,7 @@ def judge(client: Client, which: dict[str, int], out: list[dict], errors: list[d
         # (tokenmill/batch/runner.py max_attempts), then fails it with this code. Expected
         # only if the batch overlapped a fault (faults.settle decides).
         codes = {error_code((rec.get("response") or {}).get("body") or rec) for rec in failed}
-        status = "engine_fault" if codes == {"engine_unavailable"} else "batch_line_error"
+        status = "engine_fault" if codes <= set(ENGINE_FAULT_CODES) else "batch_line_error"
         return status, f"{len(failed)} of {len(which)} lines failed: {json.dumps(failed[0])[:300]}"
     for rec in out:
         resp = rec.get("response") or {}

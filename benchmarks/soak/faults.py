@@ -1,7 +1,9 @@
-"""`--faults`: SIGKILL of the engine process while the soak runs. The server notices the
-death, fails what was in flight, and starts a new engine (tokenmill/engine/process_engine.py);
-measured here: when /ready answers again, when the first good (reference-checked) answer
-comes back, and how fast the requests caught in it ended."""
+"""`--faults`: the engine process SIGKILLed, and later SIGSTOPped, while the soak runs. The
+server notices a death at once, a stop through its hang watchdog (`--engine-hang-timeout`),
+fails what was in flight, and starts a new engine (tokenmill/engine/process_engine.py);
+measured here: when /ready says the engine is gone and when it answers again, when the
+first good (reference-checked) answer comes back, and how fast the requests caught in it
+ended."""
 
 from __future__ import annotations
 
@@ -9,13 +11,13 @@ import asyncio
 import os
 import signal
 import time
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
 from benchmarks.soak.probe import engine_pid
-from benchmarks.soak.report import FAULT_RECOVERY_BOUND_S
-from benchmarks.soak.traffic import answer_of, error_code
+from benchmarks.soak.report import FAULT_END_BOUND_S, FAULT_RECOVERY_BOUND_S
+from benchmarks.soak.traffic import ENGINE_FAULT_CODES, answer_of, error_code
 
 PROBE_EVERY_S = 0.2
 # Errors from the engine's death are expected from the kill until this long after the first
@@ -23,18 +25,27 @@ PROBE_EVERY_S = 0.2
 FAULT_GRACE_S = 2.0
 
 
+def end_bound_s(sig: str, hang_timeout_s: float) -> float:
+    """How soon a request caught in the fault must end: a dead engine is seen at once, a
+    stopped one only when the watchdog's bound has passed."""
+    return FAULT_END_BOUND_S + (hang_timeout_s if sig == "SIGSTOP" else 0.0)
+
+
 async def kill_engine(http: httpx.AsyncClient, pgid: int, t0: float, key: str,
-                      probe: tuple[str, dict, list[str]]) -> dict[str, Any]:
-    """Kill the engine now; return the fault's record once a good answer came back (or the
-    bound passed)."""
+                      probe: tuple[str, dict, list[str]], sig: str = "SIGKILL",
+                      hang_timeout_s: float = 0.0) -> dict[str, Any]:
+    """Send the engine `sig` now (SIGKILL: it dies; SIGSTOP: it hangs); return the fault's
+    record once a good answer came back (or the bound passed)."""
     pid = engine_pid(pgid)
+    bound = end_bound_s(sig, hang_timeout_s)
     if pid is None:
         return {"t_s": time.monotonic() - t0, "kill_at": time.monotonic(), "pid": None, "ready_s": None,
-                "recovered_s": None, "note": "no engine process found"}
+                "signal": sig, "end_bound_s": bound, "recovered_s": None, "note": "no engine process found"}
     killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    f: dict[str, Any] = {"t_s": killed - t0, "kill_at": killed, "pid": pid, "ready_s": None, "recovered_s": None,
-                         "detected_s": None, "probe_log": [], "probe_mismatch": None}
+    os.kill(pid, getattr(signal, sig))
+    f: dict[str, Any] = {"t_s": killed - t0, "kill_at": killed, "pid": pid, "signal": sig, "end_bound_s": bound,
+                         "ready_s": None, "recovered_s": None, "detected_s": None, "probe_log": [],
+                         "probe_mismatch": None}
     path, body, want = probe
     headers = {"Authorization": f"Bearer {key}"}
     sent = 0.0
@@ -56,8 +67,10 @@ async def kill_engine(http: httpx.AsyncClient, pgid: int, t0: float, key: str,
                     break
                 f["probe_mismatch"] = f"{got!r} against the reference {want!r}"
             else:
-                f["probe_log"].append([round(sent, 2), round(time.monotonic() - killed, 2),
-                                       f"{r.status_code} {error_code(r.json())}"])
+                code = error_code(r.json())
+                if code in ENGINE_FAULT_CODES and f["detected_s"] is None:  # the server said so first
+                    f["detected_s"] = time.monotonic() - killed
+                f["probe_log"].append([round(sent, 2), round(time.monotonic() - killed, 2), f"{r.status_code} {code}"])
         except (httpx.HTTPError, ValueError) as exc:
             f["probe_log"].append([round(sent, 2), round(time.monotonic() - killed, 2), type(exc).__name__])
         await asyncio.sleep(PROBE_EVERY_S)
@@ -89,8 +102,12 @@ def settle(faults: list[dict], outcomes: list[Any]) -> None:
             o.status = "engine_fault_unexplained"
 
 
-def next_fault_at(rng: Any, duration_s: float, warm_s: float) -> Optional[float]:
-    """When (seconds into the traffic) to kill the engine: after the warm-up, early enough
-    that recovery and later traffic are seen."""
-    lo, hi = max(warm_s, 0.35 * duration_s), 0.65 * duration_s
-    return rng.uniform(lo, hi) if hi > lo else None
+def fault_plan(rng: Any, duration_s: float, warm_s: float) -> list[tuple[float, str]]:
+    """When (seconds into the traffic) to kill the engine, and later to stop it: after the
+    warm-up, apart, early enough that recovery and later traffic are seen."""
+    plan = []
+    for sig, lo, hi in (("SIGKILL", 0.3, 0.45), ("SIGSTOP", 0.55, 0.7)):
+        lo, hi = max(warm_s, lo * duration_s), hi * duration_s
+        if hi > lo:
+            plan.append((rng.uniform(lo, hi), sig))
+    return plan

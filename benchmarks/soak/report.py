@@ -18,7 +18,7 @@ RSS_FLOOR_MIB = 48.0
 RSS_MIB_PER_HOUR = 64.0
 FDS_FLOOR = 16
 FDS_PER_HOUR = 8
-FAULT_END_BOUND_S = 5.0  # a request caught in an engine kill ends (with an error) within this
+FAULT_END_BOUND_S = 5.0  # a request caught in an engine kill ends (with an error) within this (a stop: plus the hang bound)
 FAULT_RECOVERY_BOUND_S = 120.0  # the first good answer after an engine kill comes within this
 
 
@@ -43,11 +43,13 @@ def verdict(samples: list[dict], outcomes: list[Any], faults: list[dict], warm_i
     if samples and samples[-1]["kv_blocks_idle"] not in (0, None):
         why.append(f"{samples[-1]['kv_blocks_idle']} KV blocks held with nothing running at the end")
     for f in faults:
+        sig, bound = f.get("signal", "SIGKILL"), f.get("end_bound_s", FAULT_END_BOUND_S)
         if f.get("recovered_s") is None or f["recovered_s"] > FAULT_RECOVERY_BOUND_S:
-            why.append(f"no good answer within {FAULT_RECOVERY_BOUND_S:.0f} s of the engine kill at {f['t_s']:.0f} s")
-        if f.get("caught_end_max_s") is not None and f["caught_end_max_s"] > FAULT_END_BOUND_S:
-            why.append(f"a request caught in the engine kill took {f['caught_end_max_s']:.1f} s to end "
-                       f"(bound {FAULT_END_BOUND_S:.0f} s)")
+            why.append(f"no good answer within {FAULT_RECOVERY_BOUND_S:.0f} s of the engine's {sig} "
+                       f"at {f['t_s']:.0f} s")
+        if f.get("caught_end_max_s") is not None and f["caught_end_max_s"] > bound:
+            why.append(f"a request caught in the engine's {sig} took {f['caught_end_max_s']:.1f} s to end "
+                       f"(bound {bound:.0f} s)")
     return why
 
 
@@ -81,7 +83,7 @@ def summary(outcomes: list[Any], faults: list[dict], why: list[str], minutes: fl
              f"outcomes: {', '.join(f'{k} {v}' for k, v in sorted(by.items()))}",
              f"unexpected: {sum(v for k, v in by.items() if k not in EXPECTED)}"]
     for f in faults:
-        lines.append(f"fault: engine SIGKILL at {f['t_s']:.0f} s: /ready 503 after {_f(f.get('detected_s'), '.1f')} s, "
+        lines.append(f"fault: engine {f.get('signal', 'SIGKILL')} at {f['t_s']:.0f} s: /ready 503 after {_f(f.get('detected_s'), '.1f')} s, "
                      f"ready again after {_f(f.get('ready_s'), '.1f')} s, "
                      f"first good answer after {_f(f.get('recovered_s'), '.1f')} s; {f['caught']} requests caught, "
                      f"ended within {_f(f.get('caught_end_max_s'), '.2f')} s ({f['caught_errors']} with an error); "
@@ -122,11 +124,12 @@ def plot(path: Path, samples: list[dict], faults: list[dict]) -> bool:
             ys = [get(s) for s in samples]
             ax.plot(t, [float("nan") if y is None else y for y in ys], marker=".", label=label)
         for f in faults:
-            ax.axvline(f["t_s"] / 60, color="red", linestyle=":", linewidth=1)
+            ax.axvline(f["t_s"] / 60, color="red" if f.get("signal", "SIGKILL") == "SIGKILL" else "purple",
+                       linestyle=":", linewidth=1)
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     for ax in axes[-1]:
-        ax.set_xlabel("minutes (red: engine SIGKILL)")
+        ax.set_xlabel("minutes (red: engine SIGKILL, purple: SIGSTOP)")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -21,11 +21,12 @@ It fails (exit 1, saying why) if a request ends without a terminal status (a str
 without its finish and [DONE], a hang past the request bound, a batch line never
 answered), is duplicated, is answered wrongly, if resident memory or fds grow past
 the thresholds in report.py between the end of the warm-up and the end, or KV blocks
-stay held. --faults: SIGKILL of the engine process at a random time; requests caught in
-it must end with a clear error within a bound, and a good answer must come back.
+stay held. --faults: SIGKILL of the engine process at a random time, later SIGSTOP (a hung
+engine, for the server's watchdog to find); requests caught in each must end with a clear
+error within a bound, and a good answer must come back.
 
     .venv/bin/python -m benchmarks.soak.run [--minutes 60] [--faults] [--json soak.json] [--plot soak.png]
-    .venv/bin/python -m benchmarks.soak.run --quick [--faults]   # 1.5 minutes of traffic, small requests
+    .venv/bin/python -m benchmarks.soak.run --quick [--faults]   # 3 minutes of traffic, small requests
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import httpx
 from benchmarks.servers import ROOT, RunningServer, ServerSpec, serve_cmd
 from benchmarks.soak import report
 from benchmarks.soak.batches import one_batch
-from benchmarks.soak.faults import kill_engine, next_fault_at, settle
+from benchmarks.soak.faults import fault_plan, kill_engine, settle
 from benchmarks.soak.probe import LoopLag, disk, metrics, processes, window_latency
 from benchmarks.soak.traffic import REQUEST_TIMEOUT_S, Client, Ledger, answer_of, reference_bodies
 
@@ -58,6 +59,7 @@ QUIESCE_S = 30.0  # how long a sample waits for the server to go idle before it 
 DRAIN_S = 120.0  # after the traffic: how long batches in progress get to finish
 WARMUP_S = 300.0  # growth is judged from this far in (or WARMUP_FRACTION of a shorter run)
 WARMUP_FRACTION = 0.2
+HANG_TIMEOUT_S = 10.0  # --engine-hang-timeout (the server's default, said explicitly: the SIGSTOP fault's bound)
 
 
 def make_keys(db: Path, concurrency: int) -> dict[str, str]:
@@ -176,12 +178,14 @@ class Soak:
                 self.batches_open -= 1
             await asyncio.sleep(1.0)
 
-    async def fault(self, t0: float, at_s: float) -> None:
-        await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
-        await self.gate.wait()  # not while a sample holds the traffic
-        path, body = self.bodies[("completion", 0)]
-        self.faults.append(await kill_engine(self.http, self.pgid, t0, self.keys["alpha"],
-                                             (path, body, self.client.refs[("completion", 0)])))
+    async def faults_at(self, t0: float, plan: list[tuple[float, str]]) -> None:
+        for at_s, sig in plan:  # one after another: a fault starts only once the last one recovered
+            await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
+            await self.gate.wait()  # not while a sample holds the traffic
+            path, body = self.bodies[("completion", 0)]
+            self.faults.append(await kill_engine(self.http, self.pgid, t0, self.keys["alpha"],
+                                                 (path, body, self.client.refs[("completion", 0)]),
+                                                 sig, HANG_TIMEOUT_S))
 
     async def run(self) -> list[str]:
         a = self.args
@@ -200,9 +204,8 @@ class Soak:
         tasks += [asyncio.ensure_future(self.capped()), asyncio.ensure_future(self.batches(end))]
         extra = []
         if a.faults:
-            at = next_fault_at(self.rng, duration, warm_s)
-            if at is not None:
-                extra.append(asyncio.ensure_future(self.fault(t0, at)))
+            self.plan = fault_plan(self.rng, duration, warm_s)
+            extra.append(asyncio.ensure_future(self.faults_at(t0, self.plan)))
         while time.monotonic() < end:
             to_next = a.sample_s - (time.monotonic() - t0) % a.sample_s
             await asyncio.sleep(max(0.0, min(to_next, end - time.monotonic())))
@@ -229,11 +232,11 @@ class Soak:
         why = report.verdict(self.samples, outcomes, self.faults, warm_index)
         if self.client.ledger.started != len(outcomes):
             why.append(f"{self.client.ledger.started} requests started, {len(outcomes)} recorded")
-        if a.faults and not self.faults:
-            why.append("--faults, but no fault was injected (the run is too short)")
+        if a.faults and len(self.faults) < 2:
+            why.append(f"--faults, but {len(self.faults)} of the 2 faults were injected (the run is too short)")
         for f in self.faults:
             if f.get("probe_mismatch") and f.get("recovered_s") is None:
-                why.append(f"after the engine kill the probe was answered wrongly: {f['probe_mismatch']}")
+                why.append(f"after the engine's {f['signal']} the probe was answered wrongly: {f['probe_mismatch']}")
         self.warm_index = warm_index
         return why
 
@@ -252,22 +255,24 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop clients besides the capped and batch ones")
     ap.add_argument("--max-tokens", type=int, default=24, help="of each checked request (json and tool: twice)")
     ap.add_argument("--prompts", type=int, default=8, help="distinct prompts per request kind")
-    ap.add_argument("--faults", action="store_true", help="SIGKILL the engine process once, at a random time")
+    ap.add_argument("--faults", action="store_true",
+                    help="SIGKILL the engine process at a random time, later SIGSTOP it (a hang)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--server-args", default="", help="more `tokenmill serve` options")
     ap.add_argument("--json", type=Path, help="write the samples, outcomes and verdict here")
     ap.add_argument("--plot", type=Path, help="PNG of the samples (default: beside --json; needs matplotlib)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1.5 minutes, 4 clients, short requests")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 3 minutes, 4 clients, short requests")
     args = ap.parse_args()
     if args.quick:
-        args.minutes, args.concurrency, args.max_tokens, args.prompts = 1.5, 4, 8, 4
+        args.minutes, args.concurrency, args.max_tokens, args.prompts = 3.0, 4, 8, 4
     if args.sample_s is None:
         args.sample_s = max(5.0, min(60.0, args.minutes * 60 / 8))
     work = Path(tempfile.mkdtemp(prefix="tokenmill-soak-"))
     keys = make_keys(work / "keys.db", args.concurrency)
     spec = ServerSpec(name="tokenmill", ready_path="/ready", cmd=serve_cmd(
         "--log-level", "warning", "--data-dir", str(work / "data"), "--keys-db", str(work / "keys.db"),
-        "--kv-cache-gb", "0.25", "--shutdown-timeout", "5", "--capture", "all", *shlex.split(args.server_args)))
+        "--kv-cache-gb", "0.25", "--shutdown-timeout", "5", "--capture", "all",
+        "--engine-hang-timeout", str(HANG_TIMEOUT_S), *shlex.split(args.server_args)))
     t_start = time.monotonic()
     with RunningServer(spec, work) as server:
         soak = Soak(args, server, keys, work)

@@ -36,6 +36,7 @@ TOOLS = [{"type": "function", "function": {
 MIX = {"chat_stream": 4, "chat_whole": 2, "completion": 2, "n2": 1, "logprobs": 1, "json": 1, "tool": 1,
        "cancel": 2, "slow_reader": 1}
 EXPECTED = ("ok", "cancelled", "rate_limited", "engine_fault")  # the outcomes that are not a failure
+ENGINE_FAULT_CODES = ("engine_unavailable", "engine_hung")  # a killed engine's, a stopped (hung) one's
 
 
 @dataclass
@@ -189,7 +190,7 @@ class Client:
         code = error_code(payload)
         if status == 429:
             o.status, o.detail = "rate_limited", code
-        elif code == "engine_unavailable":
+        elif code in ENGINE_FAULT_CODES:
             o.status, o.detail = "engine_fault", f"{status} {code}"
         else:
             o.status = f"http_{status}" if status else "stream_error"
