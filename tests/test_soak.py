@@ -74,7 +74,13 @@ def test_verdict_fails_what_it_must() -> None:
     never = {"t_s": 10, "recovered_s": None, "caught_end_max_s": 0.1}
     slow = {"t_s": 10, "recovered_s": 3.0, "caught_end_max_s": report.FAULT_END_BOUND_S + 1}
     assert "no good answer" in report.verdict(clean, [], [never], 1)[0]
-    assert "caught in the engine kill" in report.verdict(clean, [], [slow], 1)[0]
+    assert "caught in the engine's SIGKILL" in report.verdict(clean, [], [slow], 1)[0]
+    # a stop is found only after the hang bound: its caught requests get that much longer, no more
+    stopped = {"t_s": 10, "recovered_s": 12.0, "signal": "SIGSTOP", "end_bound_s": report.FAULT_END_BOUND_S + 10,
+               "caught_end_max_s": report.FAULT_END_BOUND_S + 6}
+    assert report.verdict(clean, [], [stopped], 1) == []
+    stopped["caught_end_max_s"] = report.FAULT_END_BOUND_S + 11
+    assert "caught in the engine's SIGSTOP" in report.verdict(clean, [], [stopped], 1)[0]
 
 
 def test_engine_errors_outside_a_fault_are_failures() -> None:
