@@ -270,3 +270,36 @@ def test_dashboard_shows_rollouts_and_their_decisions(tmp_path, browser):
     finally:
         p.close()
         srv.stop()
+
+
+def test_dashboard_shows_tokens_and_spend_by_model_and_adapter(tmp_path, browser):
+    """A server with a LoRA adapter: the dashboard's models table has a row for the base
+    model and one for the adapter (naming its base), each with the samples, tokens and
+    spend /v1/stats counts for it."""
+    from tests.server.test_lora_server import write_adapter
+
+    srv = ServerProcess("--lora", f"a1={write_adapter(tmp_path / 'a1', seed=1)}", "--max-lora-rank", "16").wait_ready()
+    p = Page(browser, srv.url)
+    try:
+        for model, n in ((MODEL, 1), ("a1", 2)):
+            for _ in range(n):
+                r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                               json={"model": model, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, r.text
+        rows = {m["model"]: m for m in httpx.get(srv.url + "/v1/stats", timeout=30).json()["totals"]["models"]}
+        assert rows["a1"]["parent"] == MODEL and rows[MODEL]["parent"] is None
+        assert rows["a1"]["samples"] == 2 and rows[MODEL]["samples"] == 1
+        p.page.click("#tab-dashboard")
+        adapter = p.page.locator("#models tr[data-model='a1']")
+        expect(adapter).to_contain_text(MODEL)
+        cells = adapter.locator("td")
+        expect(cells.nth(2)).to_have_text("2")
+        expect(cells.nth(4)).to_have_text(f"{rows['a1']['generation_tokens']:,}")
+        base = p.page.locator(f"#models tr[data-model='{MODEL}'] td")
+        expect(base.nth(1)).to_have_text("–")
+        expect(base.nth(2)).to_have_text("1")
+        p.shot("dashboard-models")
+        assert p.errors == []
+    finally:
+        p.close()
+        srv.stop()

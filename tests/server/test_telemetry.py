@@ -34,7 +34,8 @@ def traced():
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    engine = make_engine(ServeOptions(dtype="float32", kv_cache_gb=0.25, max_num_seqs=8).engine_config(), "thread")
+    engine = make_engine(ServeOptions(dtype="float32", kv_cache_gb=0.25, max_num_seqs=8, max_loras=2,
+                                      max_lora_rank=16).engine_config(), "thread")
     app = build_app(engine, ServerConfig(), ServicePolicy(card=load_cards(None)["tokenmill-default"]),
                     tracer_provider=provider)
     port = free_port()
@@ -146,6 +147,33 @@ def test_dialects_are_traced_and_priced_as_chat(traced):
         assert a["tokenmill.cost_usd"] == pytest.approx(cost) and cost > 0
 
 
+def test_span_names_what_was_asked_and_the_adapter_that_answered(traced, tmp_path):
+    """A request on a LoRA adapter: the span is named by the adapter the client asked for,
+    and says which adapter of which base model answered; the base model's own span has
+    no adapter attributes."""
+    from tests.server.test_lora_server import write_adapter
+
+    url, exporter = traced
+    path = write_adapter(tmp_path / "t1", seed=5)
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "t1", "lora_path": path}, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        for model in ("t1", MODEL):
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"model": model, "prompt": "Name a colour:", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200 and r.json()["model"] == model
+            (span,) = spans_for(exporter, r.json()["id"])
+            a = span.attributes
+            assert span.name == f"text_completion {model}"
+            assert a["gen_ai.request.model"] == model and a["gen_ai.response.model"] == model
+            if model == "t1":
+                assert a["tokenmill.lora_adapter"] == "t1" and a["tokenmill.base_model"] == MODEL
+            else:
+                assert "tokenmill.lora_adapter" not in a and "tokenmill.base_model" not in a
+    finally:
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "t1"}, timeout=60)
+
+
 def test_refused_request_is_an_error_span(traced):
     url, exporter = traced
     r = httpx.post(url + "/v1/chat/completions", timeout=60,
@@ -211,3 +239,4 @@ def test_serve_exports_otlp_and_logs_json_lines():
     assert len(done) == 1
     assert done[0]["request_id"] == r.json()["id"] and done[0]["trace_id"] == TRACE_ID
     assert done[0]["status"] == 200 and done[0]["completion_tokens"] == r.json()["usage"]["completion_tokens"]
+    assert done[0]["model"] == MODEL and done[0].get("base_model") is None  # (a None field is left out)

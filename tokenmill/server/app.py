@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.batch.runner import BatchLimits
-from tokenmill.engine.api import EngineClient, ModelHost, text_digest
+from tokenmill.engine.api import EngineClient, ModelHost, UnknownModel, text_digest
 from tokenmill.server.autotune import Autotuner, AutotuneConfig
 from tokenmill.server.dialects import add_dialect_routes
 from tokenmill.server.dialects.embeddings import model_capabilities
@@ -306,6 +306,12 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
             raise APIError(400, f"window must be 1 to {telemetry.stats.horizon_s:.0f} seconds", param="window")
         return stats_view(raw.scope["state"]["tenant"], window)
 
+    def parent_of(name: str) -> str | None:
+        try:
+            return engine.served(name).parent
+        except UnknownModel:  # an adapter unloaded since its requests
+            return None
+
     def stats_view(tenant: Tenant, window: float) -> dict:
         """An admin (or everyone, on an open server) sees the server and every tenant; a
         tenant sees its own traffic, usage and headroom."""
@@ -317,7 +323,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         names = [tenant.name]
         if admin:
             out["engine"] = engine_block(engine.stats())
-            out["totals"] = registry_totals(metrics)
+            out["totals"] = registry_totals(metrics, parent_of)
             names = sorted({*telemetry.stats.totals, *(t.name for t in (policy.keys.tenants() if policy.keys
                                                                           else []))} or {ANONYMOUS})
         known = {t.name: t for t in policy.keys.tenants()} if policy.keys is not None else {}

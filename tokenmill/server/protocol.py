@@ -198,7 +198,8 @@ class _SamplingFields(_Body):
     def trace_params(self) -> dict[str, Any]:
         """The request's parameters a trace records (gen_ai.request.*), as the client set them."""
         max_tokens = getattr(self, "max_completion_tokens", None)
-        return {"max_tokens": self.max_tokens if max_tokens is None else max_tokens, "temperature": self.temperature,
+        return {"model": self.model, "max_tokens": self.max_tokens if max_tokens is None else max_tokens,
+                "temperature": self.temperature,
                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "n": self.n,
                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
 

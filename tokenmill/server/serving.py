@@ -56,6 +56,7 @@ class RequestContext:
     request_id: str  # our id, unique: the engine's key and the response's `id`
     tenant: str | None = None
     model: str | None = None  # what the request named (a model or a LoRA adapter); None: the default
+    base_model: str | None = None  # the model under `model` when that is a LoRA adapter
     limits: Any = None  # the tenant's TenantLimits when a gate admitted it
     priority: int = Priority.INTERACTIVE
     deadline: float | None = None  # time.monotonic() after which the work is abandoned
@@ -137,7 +138,7 @@ class BaseServing:
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
         if ctx is not None:
-            ctx.model = served.name
+            ctx.model, ctx.base_model = served.name, served.parent
         if pin is None:
             return served.name
         snapshot = self.snapshot if name == self.model_name else served.snapshot

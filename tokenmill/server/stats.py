@@ -221,8 +221,9 @@ def engine_block(s: EngineStats) -> dict[str, Any]:
     }
 
 
-def registry_totals(metrics: Metrics) -> dict[str, Any]:
-    """Server-wide totals, read from the same registry /metrics renders."""
+def registry_totals(metrics: Metrics, parent_of: Callable[[str], str | None] = lambda name: None) -> dict[str, Any]:
+    """Server-wide totals, read from the same registry /metrics renders; `parent_of` names a
+    LoRA adapter's base model (None for a model, or an adapter no longer loaded)."""
     reg = metrics.registry
 
     def value(name: str, **labels: str) -> float:
@@ -257,5 +258,5 @@ def registry_totals(metrics: Metrics) -> dict[str, Any]:
         "responses_by_status": by_status,
         "cost_usd": cost,
         # by the model or LoRA adapter requests named (its spend priced at its own card)
-        "models": [{"model": name, **row} for name, row in sorted(models.items())],
+        "models": [{"model": name, "parent": parent_of(name), **row} for name, row in sorted(models.items())],
     }

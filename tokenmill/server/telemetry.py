@@ -106,7 +106,9 @@ class RequestTrace:
         from opentelemetry.trace import SpanKind, format_trace_id
 
         parent = self.t._propagator.extract({k.lower(): v for k, v in headers.items()})
-        attrs: dict[str, Any] = {"gen_ai.operation.name": self.operation, "gen_ai.request.model": self.t.model_name,
+        # what the client named (a model, an adapter, an alias, a rollout); the span's end says what answered
+        requested = params.get("model") or self.t.model_name
+        attrs: dict[str, Any] = {"gen_ai.operation.name": self.operation, "gen_ai.request.model": requested,
                                  "gen_ai.provider.name": "tokenmill"}
         for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty"):
             v = params.get(key)
@@ -114,7 +116,7 @@ class RequestTrace:
                 attrs[f"gen_ai.request.{key}"] = v
         if params.get("n", 1) != 1:
             attrs["gen_ai.request.choice.count"] = params["n"]
-        self.span = self.t.tracer.start_span(f"{self.operation} {self.t.model_name}", context=parent,
+        self.span = self.t.tracer.start_span(f"{self.operation} {requested}", context=parent,
                                              kind=SpanKind.SERVER, start_time=int(self.start_wall * 1e9),
                                              attributes=attrs)
         sc = self.span.get_span_context()
@@ -156,6 +158,7 @@ class RequestTrace:
             request_log.info("%s finished: %d", ctx.request_id, status, extra={"fields": {
                 "request_id": ctx.request_id, "client_request_id": self.client_request_id,
                 "trace_id": self.trace_id, "tenant": tenant, "operation": self.operation, "status": status,
+                "model": ctx.model or self.t.model_name, "base_model": ctx.base_model,
                 "finish_reasons": self.finish_reasons, "prompt_tokens": usage.get("prompt_tokens"),
                 "cached_tokens": cached, "completion_tokens": usage.get("completion_tokens"),
                 "ttft_s": None if ttft is None else round(ttft, 6),
@@ -167,7 +170,10 @@ class RequestTrace:
         from opentelemetry.trace import Status, StatusCode
 
         span, t = self.span, self.times
-        span.set_attribute("gen_ai.response.model", self.t.model_name)
+        span.set_attribute("gen_ai.response.model", self.ctx.model or self.t.model_name)
+        if self.ctx.base_model is not None:  # answered by a LoRA adapter of that model
+            span.set_attribute("tokenmill.lora_adapter", self.ctx.model)
+            span.set_attribute("tokenmill.base_model", self.ctx.base_model)
         span.set_attribute("gen_ai.response.id", self.ctx.request_id)
         if self.finish_reasons:
             span.set_attribute("gen_ai.response.finish_reasons", self.finish_reasons)

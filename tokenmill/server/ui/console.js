@@ -239,6 +239,7 @@ function renderStats(s) {
       $("stat-disk").textContent = `${rate} · ${(d.used_bytes / 2 ** 30).toFixed(2)} / ${(d.capacity_bytes / 2 ** 30).toFixed(1)} GiB`;
     }
     $("stat-generation-total").textContent = fmtInt(t.generation_tokens);
+    renderModels(t.models);
     $("stat-prompt-total").textContent = fmtInt(t.prompt_tokens);
     chips($("response-counts"), t.responses_by_status);
   }
@@ -308,6 +309,20 @@ function drawChart(canvas, t, series) {
     });
     g.stroke();
   });
+}
+
+// Tokens and spend by the model or LoRA adapter requests named (an admin's view); an
+// adapter's row names its base model.
+function renderModels(models) {
+  const rows = (models || []).map((m) => {
+    const tr = document.createElement("tr");
+    tr.dataset.model = m.model;
+    const cells = [m.model, m.parent || "–", fmtInt(m.samples), fmtInt(m.prompt_tokens), fmtInt(m.generation_tokens),
+      fmtUsd(m.cost_usd)];
+    tr.replaceChildren(...cells.map((c) => { const td = document.createElement("td"); td.textContent = c; return td; }));
+    return tr;
+  });
+  document.querySelector("#models tbody").replaceChildren(...rows);
 }
 
 // Rollouts (an admin's view, served with --rollout): each arm's weight, requests and
