@@ -14,9 +14,10 @@ what a second resident model weighs.
 
 The partner: a Hugging Face folder of SmolLM2-135M-Instruct itself (the embedded GGUF
 converted by transformers, served int4 as the GGUF is), so that both are the same size;
-with --quick, a tiny random Llama over the same tokenizer.
+with --quick, a tiny random Llama over the same tokenizer; with --partner, an installed
+model (`tokenmill models list`) or a model file or folder, served as `serve --model` would.
 
-    .venv/bin/python -m benchmarks.serving.model_swap [--rounds 5] [--quick]
+    .venv/bin/python -m benchmarks.serving.model_swap [--rounds 5] [--quick] [--partner qwen2.5-coder-0.5b]
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def estimate(path: str) -> int:
     return weights_bytes(path) + int(KV_GB * 1024 ** 3)
 
 
-def swap(partner: str, name: str, rounds: int, logs: Path) -> dict[str, float]:
+def swap(partner: str, name: str | None, rounds: int, logs: Path) -> dict[str, float]:
     sizes = sorted((estimate(default_model_path()), estimate(partner)))
     budget = (sizes[1] + sizes[0] / 2) / 1024 ** 3  # room for the larger, never for both
     spec = ServerSpec("swap", serve_cmd("--model", default_model_path(), "--model", partner, "--kv-cache-gb",
@@ -114,6 +115,7 @@ def swap(partner: str, name: str, rounds: int, logs: Path) -> dict[str, float]:
     swaps, loads, partner_swaps, warm = [], [], [], []
     with RunningServer(spec, logs) as srv:
         watch = srv.watch()
+        name = name or next(m for m in states(srv.base_url) if m != MODEL)  # the name it is served under
         for r in range(rounds + 1):
             p = ttft(srv.base_url, name)  # the embedded model leaves memory
             s = ttft(srv.base_url, MODEL)  # and comes back: the swap
@@ -127,8 +129,9 @@ def swap(partner: str, name: str, rounds: int, logs: Path) -> dict[str, float]:
                 loads.append(row[MODEL]["load_seconds"])
         busy = watch.other_cores()
     med = statistics.median
-    return {"other_cores": busy if busy is not None else float("nan"), "swap_s": med(swaps), "load_s": med(loads), "warm_ttft_s": med(warm), "partner_swap_s": med(partner_swaps),
-            "swap_max_s": max(swaps)}
+    return {"other_cores": busy if busy is not None else float("nan"), "swap_s": med(swaps), "load_s": med(loads),
+            "warm_ttft_s": med(warm), "partner_swap_s": med(partner_swaps), "partner_swap_max_s": max(partner_swaps),
+            "swap_max_s": max(swaps), "name": name}
 
 
 def memory(partner: str, name: str, logs: Path) -> dict[str, dict[str, float]]:
@@ -160,19 +163,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="smoke run: a tiny partner, 2 rounds")
+    ap.add_argument("--partner", help="an installed model's name, or a model file or folder (default: a twin of "
+                                      "the embedded model)")
     args = ap.parse_args()
     rounds = 2 if args.quick else args.rounds
     work = Path(tempfile.mkdtemp(prefix="tokenmill-swap-"))
-    name = "tiny-partner" if args.quick else "smollm2-twin"
-    partner = str(work / name)
-    make_partner(partner, args.quick)
+    if args.partner:
+        from tokenmill.model.registry import resolve
+
+        partner, name = str(resolve(args.partner)), None
+    else:
+        name = "tiny-partner" if args.quick else "smollm2-twin"
+        partner = str(work / name)
+        make_partner(partner, args.quick)
     logs = work / "logs"
     s = swap(partner, name, rounds, logs)
+    name = s["name"]
     print(f"swap, {MODEL} (default mode, warm caches), medians of {rounds} rounds; partner: {name}")
     print("| measure | seconds |\n|---|---|")
     print(f"| swap in: unload {name} + load + first token | {s['swap_s']:.2f} |")
     print(f"| of which the engine start (load_seconds) | {s['load_s']:.2f} |")
     print(f"| swap in {name} (unload {MODEL} + load + first token) | {s['partner_swap_s']:.2f} |")
+    print(f"| slowest swap in of {name} | {s['partner_swap_max_s']:.2f} |")
     print(f"| first token, loaded | {s['warm_ttft_s']:.3f} |")
     print(f"| slowest swap in | {s['swap_max_s']:.2f} |")
     print(f"(other processes kept {s['other_cores']:.1f} of {os.cpu_count()} cores busy meanwhile)")
