@@ -4,6 +4,7 @@ recomputing it cold. Files are read from the OS page cache where it still holds 
 (a machine's first read after a reboot comes from the device).
 
     python -m benchmarks.engine.kv_disk [--config serve] [--prompt-tokens 2500] [--repeat 3] [--quick]
+                                        [--model qwen2.5-coder-1.5b]
 """
 
 from __future__ import annotations
@@ -98,12 +99,18 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2500)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smoke run: a 256-token prompt, one repeat, 32 tokens")
+    ap.add_argument("--model", default=None, help="an installed model's name or a model file (default: the "
+                                                  "embedded one), run as serve runs it (its file's quantization)")
     args = ap.parse_args()
     decode_prompt, decode_tokens = 2000, 256
     if args.quick:
         args.prompt_tokens, args.repeat, decode_prompt, decode_tokens = 256, 1, 256, 32
     dtype, quant = PRECISIONS[args.config]
-    loaded = load_model(None, dtype, quant)
+    if args.model is not None:
+        from tokenmill.model.registry import resolve
+
+        args.model, quant = resolve(args.model), "auto"
+    loaded = load_model(args.model, dtype, quant)
     ids = eval_ids(loaded.tokenizer)
     while len(ids) < args.prompt_tokens * (2 * args.repeat + 2):
         ids = ids + list(reversed(ids))
@@ -138,7 +145,8 @@ def main() -> None:
         e.close()
     used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
     med = statistics.median
-    print(f"{args.config}, {n}-token prompt, median of {args.repeat} (TTFT, seconds):")
+    print(f"{os.path.basename(args.model or 'the embedded model')}, {args.config}, {n}-token prompt, "
+          f"median of {args.repeat} (TTFT, seconds):")
     print(f"  cold recompute               {med(cold):8.3f}")
     print(f"  evicted, read back from disk {med(evicted):8.3f}  ({med(cold) / med(evicted):.1f}x; "
           f"restore {med(restore) * 1000:.0f} ms)")
