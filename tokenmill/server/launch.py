@@ -294,7 +294,7 @@ def run_server(app: FastAPI, options: ServeOptions) -> None:
     # json logs: keep the root logger's handlers (JSON lines) for uvicorn's loggers too
     extra = {"log_config": None} if options.log_format == "json" else {}
     limits = ConnectionLimits(_room_for_connections(options.max_connections), options.header_timeout,
-                              options.write_timeout)
+                              options.write_timeout, options.body_timeout)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5, lifespan="on",
                             http=guarded_protocol(limits, app.state.metrics.observe_cut), **extra)

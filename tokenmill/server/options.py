@@ -90,6 +90,10 @@ class ServeOptions:
     write_timeout: float = option(
         30.0, "--write-timeout", "Seconds a response may wait on a client that reads nothing (its send buffer full) "
                                  "before the connection is dropped and its request aborted.")
+    body_timeout: float = option(
+        30.0, "--body-timeout", "Seconds a request's body has to arrive after its headers, plus one for every 64 KiB "
+                                "received (a trickle is cut, a large upload on a slow link is not; an idle-gap bound "
+                                "would let a byte every few seconds hold a connection forever); then 408 and closed.")
     served_model_name: str | None = option(None, "--served-model-name",
                                            "Model id to serve (default: the model's name).")
     lora: list[str] | None = option(
@@ -293,8 +297,9 @@ class ServeOptions:
             raise OptionError(f"--capture must be off, all or keys, got {self.capture!r}")
         if not (self.capture_retention_days > 0 and self.capture_max_mb > 0):
             raise OptionError("--capture-retention-days and --capture-max-mb must be positive")
-        if self.max_connections < 1 or not (self.header_timeout > 0 and self.write_timeout > 0):
-            raise OptionError("--max-connections, --header-timeout and --write-timeout must be positive")
+        if self.max_connections < 1 or not (self.header_timeout > 0 and self.write_timeout > 0
+                                              and self.body_timeout > 0):
+            raise OptionError("--max-connections, --header-timeout, --body-timeout and --write-timeout must be positive")
         if not self.engine_hang_timeout >= 0:
             raise OptionError("--engine-hang-timeout must be 0 (off) or a positive number of seconds")
         if self.engine_mode not in ENGINE_MODES:
