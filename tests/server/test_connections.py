@@ -1,6 +1,7 @@
 """The connection guards (tokenmill/server/connections.py) on a real uvicorn server with
-a small ASGI app, no model: the cap refuses a connection only when none is idle, and a
-kept-alive connection's next request has the header timeout too."""
+a small ASGI app, no model: the cap refuses a connection only when none is idle, a
+kept-alive connection's next request has the header timeout too, and a trickled body is
+cut by the body timeout before the app sees it whole."""
 
 from __future__ import annotations
 
@@ -15,8 +16,27 @@ from tests.server.conftest import free_port
 from tokenmill.server.connections import ConnectionLimits, guarded_protocol
 
 
+_BODIES: list[bytes | None] = []  # what /echo read: a whole body, or None for a disconnect
+
+
 async def _app(scope, receive, send) -> None:
     if scope["type"] != "http":
+        return
+    if scope["path"] == "/echo":
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                _BODIES.append(None)
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        _BODIES.append(body)
+        reply = str(len(body)).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(reply)).encode())]})
+        await send({"type": "http.response.body", "body": reply})
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     if scope["path"] == "/slow":
@@ -102,4 +122,64 @@ def test_a_kept_alive_connection_has_the_header_timeout_for_its_next_request():
         assert reply.startswith(b"HTTP/1.1 408"), reply
         assert 0.8 < waited < 3.0, waited
         assert srv.cuts == [("header_timeout", False)]
+        s.close()
+
+
+def _post_head(length: int) -> bytes:
+    return f"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n\r\n".encode()
+
+
+def test_a_trickled_body_is_cut_with_408_before_the_app_sees_it():
+    """Headers at once, then a byte every 0.25 s: the header timeout is satisfied, the body
+    timeout is not; the app's receive ends in a disconnect, never with the body."""
+    _BODIES.clear()
+    with _Server(ConnectionLimits(max_connections=16, header_timeout_s=30, write_timeout_s=30,
+                                  body_timeout_s=1.0)) as srv:
+        s = srv.connect()
+        s.sendall(_post_head(100))
+        t0 = time.monotonic()
+        reply = b""
+        s.settimeout(0.25)
+        for _ in range(40):  # 10 s of trickle at most
+            try:
+                s.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            try:
+                chunk = s.recv(4096)
+            except TimeoutError:
+                continue
+            reply += chunk
+            if not chunk or reply.endswith(b"\r\n\r\n"):
+                break
+        waited = time.monotonic() - t0
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert 0.8 < waited < 3.0, waited
+        assert srv.cuts == [("body_timeout", True)]  # (a request was in flight)
+        deadline = time.monotonic() + 5
+        while not _BODIES and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _BODIES == [None]  # the app saw a disconnect, not the body
+        s.close()
+
+
+def test_a_slow_but_steady_body_past_the_timeout_is_served():
+    """The deadline grows with the bytes received (BODY_MIN_RATE): 256 KiB sent in 1.6 s,
+    past a 1 s body timeout but well above the minimum rate, is served whole."""
+    _BODIES.clear()
+    with _Server(ConnectionLimits(max_connections=16, header_timeout_s=30, write_timeout_s=30,
+                                  body_timeout_s=1.0)) as srv:
+        s = srv.connect()
+        size, chunk = 256 * 1024, 16 * 1024
+        s.sendall(_post_head(size))
+        for _ in range(size // chunk):
+            s.sendall(b"y" * chunk)
+            time.sleep(0.1)
+        reply = b""
+        while not reply.endswith(str(size).encode()):
+            data = s.recv(4096)
+            assert data, reply
+            reply += data
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        assert srv.cuts == [] and _BODIES == [b"y" * size]
         s.close()

@@ -144,3 +144,43 @@ def test_idle_and_slowloris_sockets_do_not_starve_a_real_client():
         for s in idle + slow:
             s.close()
         srv.stop()
+
+
+def test_a_trickled_body_gets_408_and_never_reaches_the_engine():
+    """Headers at once, then the JSON body a byte a second: past --body-timeout the server
+    answers 408 and closes, nothing is scheduled, and no route error is logged."""
+    body_timeout = 2.0
+    srv = ServerProcess("--body-timeout", str(body_timeout), "--log-level", "info").wait_ready()
+    try:
+        request = _request("/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "Hi"}]})
+        head, _, data = request.partition(b"\r\n\r\n")
+        prompt_tokens = metric(srv, "tokenmill_prompt_tokens_total")
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(head + b"\r\n\r\n")
+        s.settimeout(1.0)
+        t0 = time.monotonic()
+        reply = b""
+        for byte in data[:-1]:  # never the last byte
+            try:
+                s.sendall(bytes([byte]))
+                reply += s.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if reply.endswith(b"\r\n\r\n") or time.monotonic() - t0 > 20:
+                break
+        cut = time.monotonic() - t0
+        s.close()
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert body_timeout - 0.5 < cut < body_timeout + 3.0, cut
+        assert _labelled(srv, "tokenmill_connections_closed_total", 'reason="body_timeout"') == 1
+        assert metric(srv, "tokenmill_prompt_tokens_total") == prompt_tokens  # nothing reached the engine
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        print(f"a body trickled a byte a second: 408 after {cut:.2f}s (--body-timeout {body_timeout})")
+    finally:
+        out = srv.stop()
+    assert "Traceback" not in out and "unhandled error" not in out, out

@@ -74,6 +74,8 @@ def test_frozen_and_keyword_only():
     ({"keep_alive": "soon"}, "--keep-alive: keep_alive must be a number of seconds or a duration"),
     ({"memory_budget": 0.0}, "--memory-budget must be a positive number of GB"),
     ({"model_queue": 0}, "--model-queue must be at least 1"),
+    ({"body_timeout": 0.0}, "--body-timeout and --write-timeout must be positive"),
+    ({"keys_cache_ttl": -1.0}, "--keys-cache-ttl cannot be negative"),
     # the engine config's own checks, made when the options are
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, int8"),
     ({"decode_steps": 0}, "decode_steps must be positive"),

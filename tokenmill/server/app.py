@@ -24,7 +24,8 @@ from tokenmill.server.dialects.embeddings import model_capabilities
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.gate import AdmissionConfig, Gate
 from tokenmill.server.idempotency import IdempotencyStore
-from tokenmill.server.keys import KeyStore, Tenant, TenantLimits
+from tokenmill.server.key_cache import KeyCache
+from tokenmill.server.keys import Tenant, TenantLimits
 from tokenmill.server.limits import ServerTokens
 from tokenmill.server.lora_routes import add_lora_routes
 from tokenmill.server.model_routes import add_model_routes
@@ -58,7 +59,7 @@ class ServerConfig:
 class ServicePolicy:
     """Tenancy, limits and pricing. With no key store the server is open: every
     request is the anonymous tenant under `defaults`."""
-    keys: KeyStore | None = None
+    keys: KeyCache | None = None  # the key store, read off the event loop (server/key_cache.py)
     defaults: TenantLimits = field(default_factory=TenantLimits)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     card: object | None = None  # tokenmill.cost.RateCard used for usage.cost (None: no pricing)
@@ -304,7 +305,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     async def stats(raw: Request, window: float = 60.0) -> dict:
         if not 1.0 <= window <= telemetry.stats.horizon_s:
             raise APIError(400, f"window must be 1 to {telemetry.stats.horizon_s:.0f} seconds", param="window")
-        return stats_view(raw.scope["state"]["tenant"], window)
+        known = {t.name: t for t in await policy.keys.tenants()} if policy.keys is not None else {}
+        return stats_view(raw.scope["state"]["tenant"], window, known)
 
     def parent_of(name: str) -> str | None:
         try:
@@ -312,7 +314,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         except UnknownModel:  # an adapter unloaded since its requests
             return None
 
-    def stats_view(tenant: Tenant, window: float) -> dict:
+    def stats_view(tenant: Tenant, window: float, known: dict[str, Tenant]) -> dict:
         """An admin (or everyone, on an open server) sees the server and every tenant; a
         tenant sees its own traffic, usage and headroom."""
         admin = policy.keys is None or tenant.admin
@@ -324,9 +326,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         if admin:
             out["engine"] = engine_block(engine.stats())
             out["totals"] = registry_totals(metrics, parent_of)
-            names = sorted({*telemetry.stats.totals, *(t.name for t in (policy.keys.tenants() if policy.keys
-                                                                          else []))} or {ANONYMOUS})
-        known = {t.name: t for t in policy.keys.tenants()} if policy.keys is not None else {}
+            names = sorted({*telemetry.stats.totals, *known} or {ANONYMOUS})
         rows = []
         for name in names:
             tot = telemetry.stats.totals.get(name)

@@ -21,10 +21,11 @@ from starlette.responses import FileResponse, JSONResponse
 
 from tokenmill.batch.runner import (ENDPOINTS, BatchLimits, BatchRunner, LineError, LineOutcome,
                                     parse_window)
-from tokenmill.batch.store import BatchStore, storage_error
+from tokenmill.batch.store import BatchStore, StoreBusy, storage_error
 from tokenmill.engine.api import EngineDeadError
 from tokenmill.server.errors import APIError, as_api_error
-from tokenmill.server.keys import KeyStore, Tenant
+from tokenmill.server.key_cache import KeyCache
+from tokenmill.server.keys import Tenant
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.serving import RequestContext, new_id
 
@@ -34,7 +35,7 @@ MAX_METADATA = 16
 class ServerLineExecutor:
     """Runs and validates batch lines the way the live routes run requests."""
 
-    def __init__(self, chat, completion, gate, pricer, keys: KeyStore | None, open_tenant: Tenant, telemetry=None):
+    def __init__(self, chat, completion, gate, pricer, keys: KeyCache | None, open_tenant: Tenant, telemetry=None):
         self.routes = {"/v1/chat/completions": (chat, ChatCompletionRequest, "chatcmpl"),
                        "/v1/completions": (completion, CompletionRequest, "cmpl")}
         self.gate = gate
@@ -43,10 +44,10 @@ class ServerLineExecutor:
         self.open_tenant = open_tenant
         self.telemetry = telemetry  # tokenmill.server.telemetry.Telemetry: lines are traced and counted too
 
-    def tenant(self, name: str) -> Tenant | None:
+    async def tenant(self, name: str) -> Tenant | None:
         if self.keys is None:
             return self.open_tenant if name == self.open_tenant.name else None
-        return self.keys.tenant(name)
+        return await self.keys.tenant(name)
 
     def _parse(self, url: str, body: dict[str, Any]):
         serving, model, prefix = self.routes[url]
@@ -67,7 +68,11 @@ class ServerLineExecutor:
 
     async def execute(self, tenant: str, url: str, body: dict[str, Any]) -> LineOutcome:
         request_id = f"req_{uuid.uuid4().hex}"
-        who = self.tenant(tenant)
+        try:
+            who = await self.tenant(tenant)
+        except StoreBusy as exc:  # another process locks the key store: run the line again later
+            err = as_api_error(exc)
+            return LineOutcome(err.status, err.body(), request_id, retry=True)
         if who is None:
             err = APIError(401, "the tenant that submitted this batch no longer exists", code="invalid_api_key")
             return LineOutcome(err.status, err.body(), request_id)

@@ -13,7 +13,15 @@ socket's transport and adds:
 
 - a header timeout: from the moment a connection opens, or the first byte of the next
   request on a kept-alive one, its request line and headers must be complete within
-  `header_timeout_s`, or it gets a 408 and is closed (the body's pace is the app's);
+  `header_timeout_s`, or it gets a 408 and is closed;
+- a body timeout: a request's body must be complete within `body_timeout_s` of its
+  headers, a deadline that grows by a second for every `BODY_MIN_RATE` bytes received,
+  or it gets a 408 and is closed; the app's `receive` sees a disconnect, so an
+  incomplete body never reaches a route (a client that trickles a byte a second is cut
+  at `body_timeout_s`; a large upload over a slow link is not). An idle-gap bound would
+  not do: a byte every few seconds resets it forever. Time while the server itself holds
+  the body back (uvicorn pauses reading while the app has not consumed what came) is
+  not the client's, so the deadline waits for it;
 - a connection cap: past `max_connections` open sockets, a new one closes the idle
   connection (no request in flight: connected, reading headers, or kept alive) that has
   been idle longest, so a flood of idle sockets cannot lock a real client out; when
@@ -43,6 +51,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 # An event stream's kernel send buffer (Linux doubles it: 128 KiB). Tokens come at a few
 # KB/s, so it never limits a reader: over a 100 ms round trip it still carries ~1 MB/s.
 STREAM_SNDBUF = 64 * 1024
+# A body's deadline grows by a second for each this many bytes (a 512 kbit/s link): an
+# upload of the largest allowed file still fits, a trickle does not.
+BODY_MIN_RATE = 64 * 1024
 _408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _503_BODY = b"too many connections"
 _503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: "
@@ -54,10 +65,11 @@ class ConnectionLimits:
     max_connections: int = 2048
     header_timeout_s: float = 10.0
     write_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.header_timeout_s <= 0 or self.write_timeout_s <= 0:
-            raise ValueError("the connection cap and the header and write timeouts must be positive")
+        if self.max_connections < 1 or min(self.header_timeout_s, self.write_timeout_s, self.body_timeout_s) <= 0:
+            raise ValueError("the connection cap and the header, body and write timeouts must be positive")
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -67,6 +79,9 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_deadline = 0.0  # (loop time) the body's deadline before the bytes that came
+        self._body_bytes = 0
         self._idle_since = time.monotonic()
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections and not self._evict_idle():
@@ -87,9 +102,21 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+        previous = self.cycle
         super().on_headers_complete()
-        if self.cycle is not None:
+        if self.cycle is not None and self.cycle is not previous:  # (not an upgrade)
             self._bound_streams(self.cycle)
+            self._arm_body_timer()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         self._idle_since = time.monotonic()
@@ -137,6 +164,30 @@ class GuardedProtocol(HttpToolsProtocol):
         if not self._in_flight():
             self._cut("header_timeout", _408)
 
+    def _arm_body_timer(self) -> None:
+        """(For every request: one without a body completes in the same read, which cancels it.)"""
+        self._body_bytes = 0
+        self._body_deadline = self.loop.time() + self.limits.body_timeout_s
+        self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_late)
+
+    def _body_late(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing():
+            return
+        if self.flow.read_paused:  # the server holds the body back, not the client: wait for it
+            self._body_deadline = self.loop.time() + self.limits.body_timeout_s
+            self._body_bytes = 0
+        left = self._body_deadline + self._body_bytes / BODY_MIN_RATE - self.loop.time()
+        if left > 0:
+            self._body_timer = self.loop.call_later(left, self._body_late)
+            return
+        started = cycle.response_started
+        self._cut("body_timeout", None if started else _408)
+        # the app's `receive` answers a disconnect from now on; whatever it sends is dropped
+        cycle.disconnected = True
+        cycle.message_event.set()
+
     def _write_stalled(self) -> None:
         self._write_timer = None
         self._cut("write_stall", None)
@@ -160,10 +211,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _cancel_timers(self) -> None:
-        for timer in (self._header_timer, self._write_timer):
+        for timer in (self._header_timer, self._write_timer, self._body_timer):
             if timer is not None:
                 timer.cancel()
-        self._header_timer = self._write_timer = None
+        self._header_timer = self._write_timer = self._body_timer = None
 
 
 def guarded_protocol(limits: ConnectionLimits, on_cut: Callable[[str, bool], None]) -> type[GuardedProtocol]:

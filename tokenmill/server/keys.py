@@ -107,6 +107,11 @@ class KeyStore:
     def close(self) -> None:
         self._db.close()
 
+    def set_busy_timeout(self, seconds: float) -> None:
+        """How long a statement waits on another process's lock before 'database is locked'
+        (sqlite3's own default: 5 s)."""
+        self._db.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+
     def add_key(self, tenant: str, limits: TenantLimits | None = None, admin: bool | None = None) -> str:
         """Create (or update the limits of) a tenant and issue it a new key; returns the key.
         `admin` (when given) sets whether the tenant sees every tenant's stats."""

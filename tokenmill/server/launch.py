@@ -190,15 +190,17 @@ def _policy(options: ServeOptions) -> ServicePolicy:
     from tokenmill.batch.runner import BatchLimits
     from tokenmill.cost import CardError, load_cards, with_machine
     from tokenmill.server.gate import AdmissionConfig
+    from tokenmill.server.key_cache import KeyCache
     from tokenmill.server.keys import KeyStore, TenantLimits
 
     o = options
-    keys = KeyStore(o.keys_db) if o.keys_db else None
-    if keys is None or not keys.has_keys():
+    store = KeyStore(o.keys_db) if o.keys_db else None
+    if store is None or not store.has_keys():
         if o.host not in ("127.0.0.1", "localhost", "::1") and not o.allow_open:
             raise OptionError(f"refusing to serve {o.host} without API keys: add keys (tokenmill keys add) and "
                               "pass --keys-db, or pass --allow-open to serve it open")
         log.warning("no API keys configured: the server is open to anyone who can reach %s:%d", o.host, o.port)
+    keys = KeyCache(store, o.keys_cache_ttl) if store is not None else None
     try:
         card_set = load_cards(o.cards)
         if o.price_card not in card_set:
@@ -294,7 +296,7 @@ def run_server(app: FastAPI, options: ServeOptions) -> None:
     # json logs: keep the root logger's handlers (JSON lines) for uvicorn's loggers too
     extra = {"log_config": None} if options.log_format == "json" else {}
     limits = ConnectionLimits(_room_for_connections(options.max_connections), options.header_timeout,
-                              options.write_timeout)
+                              options.write_timeout, options.body_timeout)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5, lifespan="on",
                             http=guarded_protocol(limits, app.state.metrics.observe_cut), **extra)

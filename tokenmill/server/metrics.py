@@ -210,8 +210,8 @@ class Metrics:
         self.connections = Gauge("tokenmill_http_connections", "Open HTTP connections (idle ones included).",
                                  registry=r)
         self.connections_closed = Counter("tokenmill_connections_closed", "Connections the server closed to "
-                                          "protect itself, by reason: header_timeout, write_stall, connection_cap "
-                                          "(refused), evicted_idle (closed to make room).", ["reason"], registry=r)
+                                          "protect itself, by reason: header_timeout, body_timeout, write_stall, "
+                                          "connection_cap (refused), evicted_idle (closed to make room).", ["reason"], registry=r)
         self.cost = Counter("tokenmill_cost_usd", "Priced cost of requests in USD.", ["tenant", "model"],
                             registry=r)
         self.alarm_raised = Counter("tokenmill_spend_alarms", "Times a spend alarm was raised, by scope "

@@ -15,13 +15,16 @@ import uuid
 from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill.batch.store import StoreBusy
 from tokenmill.engine.api import RequestBounds
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, as_api_error
 from tokenmill.server.gate import Gate
-from tokenmill.server.keys import KeyStore, Tenant
+from tokenmill.server.key_cache import KeyCache
+from tokenmill.server.keys import Tenant
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import check_body_shape
 
@@ -51,12 +54,13 @@ class Frontdoor:
     - every response carries x-request-id (the client's own if sent) and, for a tenant
       with limits, the x-ratelimit-* headers; status codes are counted;
     - API calls need `Authorization: Bearer KEY` (or `x-api-key: KEY`) when a key store
-      is configured (401);
+      is configured (401; 503 store_busy when another process locks the key store and
+      the key was not verified within the cache's TTL: server/key_cache.py);
     - while draining for shutdown new API requests get 503;
     - when the exchange ends, however it ends, the request's settlement runs."""
 
     def __init__(self, app: ASGIApp, state: ServerState, metrics: Metrics, gate: Gate,
-                 keys: KeyStore | None, open_tenant: Tenant, max_body_bytes: int, upload_bytes: int | None = None):
+                 keys: KeyCache | None, open_tenant: Tenant, max_body_bytes: int, upload_bytes: int | None = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.upload_bytes = upload_bytes  # POST /v1/files (multipart overhead included)
@@ -66,16 +70,16 @@ class Frontdoor:
         self.keys = keys
         self.open_tenant = open_tenant
 
-    def _tenant(self, scope: Scope) -> Tenant | None:
+    async def _tenant(self, scope: Scope) -> Tenant | None:
         if self.keys is None:
             return self.open_tenant
         for k, v in scope.get("headers", []):
             if k == b"authorization":
                 scheme, _, token = v.decode("latin-1").partition(" ")
                 if scheme.lower() == "bearer" and token.strip():
-                    return self.keys.authenticate(token.strip())
+                    return await self.keys.authenticate(token.strip())
             elif k == b"x-api-key" and v.strip():  # Anthropic's clients send the key here
-                return self.keys.authenticate(v.decode("latin-1").strip())
+                return await self.keys.authenticate(v.decode("latin-1").strip())
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,7 +91,11 @@ class Frontdoor:
         state = scope.setdefault("state", {})
         state["client_request_id"] = rid
         is_api = scope["path"].startswith("/v1/") or scope["path"] in ("/tokenize", "/detokenize", "/rerank")
-        tenant = self._tenant(scope) if is_api else None
+        refusal = None
+        try:
+            tenant = await self._tenant(scope) if is_api else None
+        except StoreBusy as exc:
+            tenant, refusal = None, as_api_error(exc)
         state["tenant"] = tenant
 
         async def send_wrapper(message: Message) -> None:
@@ -105,6 +113,9 @@ class Frontdoor:
                 self.metrics.responses.labels(status_code=str(message["status"])).inc()
             await send(message)
 
+        if refusal is not None:
+            await refusal.response()(scope, receive, send_wrapper)
+            return
         if is_api and tenant is None:
             await APIError(401, AUTH_ERROR, code="invalid_api_key").response()(scope, receive, send_wrapper)
             return
@@ -144,6 +155,8 @@ class Frontdoor:
         except _BodyTooLarge:
             if not started:
                 await too_large.response()(scope, receive, send_wrapper)
+        except ClientDisconnect:  # gone before its body was whole (or cut by --body-timeout): no one to answer
+            pass
         finally:
             if counted:
                 self.state.inflight -= 1

@@ -90,6 +90,10 @@ class ServeOptions:
     write_timeout: float = option(
         30.0, "--write-timeout", "Seconds a response may wait on a client that reads nothing (its send buffer full) "
                                  "before the connection is dropped and its request aborted.")
+    body_timeout: float = option(
+        30.0, "--body-timeout", "Seconds a request's body has to arrive after its headers, plus one for every 64 KiB "
+                                "received (a trickle is cut, a large upload on a slow link is not; an idle-gap bound "
+                                "would let a byte every few seconds hold a connection forever); then 408 and closed.")
     served_model_name: str | None = option(None, "--served-model-name",
                                            "Model id to serve (default: the model's name).")
     lora: list[str] | None = option(
@@ -139,6 +143,10 @@ class ServeOptions:
     num_threads: int | None = option(None, "--num-threads", "Torch threads (default: all cores).")
     shutdown_timeout: float = option(30.0, "--shutdown-timeout", "Seconds in-flight requests get to finish on SIGTERM.")
     keys_db: str | None = option(None, "--keys-db", "Enforce API keys from this SQLite file.")
+    keys_cache_ttl: float = option(
+        5.0, "--keys-cache-ttl", "Seconds a verified API key is served from memory (requests go on while another "
+                                 "process locks --keys-db); a revoked key or changed limits take effect within it. "
+                                 "0: read the file for every request.")
     allow_open: bool = option(False, "--allow-open", "Allow a non-loopback --host without API keys (anyone can use it).")
     max_prompt_tokens: int | None = option(None, "--max-prompt-tokens", "Default per-request prompt cap.")
     max_output_tokens: int | None = option(None, "--max-output-tokens",
@@ -291,10 +299,13 @@ class ServeOptions:
             raise OptionError(f"--reasoning-parser must be one of deepseek_r1, qwen3, none, got {self.reasoning_parser!r}")
         if self.capture not in ("off", "all", "keys"):
             raise OptionError(f"--capture must be off, all or keys, got {self.capture!r}")
+        if self.keys_cache_ttl < 0:
+            raise OptionError("--keys-cache-ttl cannot be negative")
         if not (self.capture_retention_days > 0 and self.capture_max_mb > 0):
             raise OptionError("--capture-retention-days and --capture-max-mb must be positive")
-        if self.max_connections < 1 or not (self.header_timeout > 0 and self.write_timeout > 0):
-            raise OptionError("--max-connections, --header-timeout and --write-timeout must be positive")
+        if self.max_connections < 1 or not (self.header_timeout > 0 and self.write_timeout > 0
+                                              and self.body_timeout > 0):
+            raise OptionError("--max-connections, --header-timeout, --body-timeout and --write-timeout must be positive")
         if not self.engine_hang_timeout >= 0:
             raise OptionError("--engine-hang-timeout must be 0 (off) or a positive number of seconds")
         if self.engine_mode not in ENGINE_MODES:
