@@ -74,6 +74,28 @@ def test_think_times_are_drawn_with_the_asked_mean():
     assert {t.think_s for c in build_conversations(workload()) for t in c.turns} == {0.0}
 
 
+def test_a_jsonl_trace_is_replayed_as_written(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    fix = {"user": "fix it", "max_tokens": 9, "think_s": 0.25}
+    rows = [{"system": "You are a coding agent.", "turns": ["open the file", fix]},
+            {"turns": [{"user": "hello"}]}, {"turns": ["never read"]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    w = WorkloadConfig(prompts_file=path, output_len=LengthDist(7), seed=1,
+                       agent=AgentConfig(conversations=2, think_time_s=1.0))
+    a, b = build_conversations(w), build_conversations(w, run_index=1)
+    assert a == b and len(a) == 2
+    assert [t.user for t in a[0].turns] == ["open the file", "fix it"] and a[0].turns[1].max_tokens == 9
+    assert a[0].turns[0].max_tokens == 7 and a[0].turns[0].think_s == 0 and a[0].turns[1].think_s == 0.25
+    assert a[1].system == "" and a[1].request(0, []).messages == [{"role": "user", "content": "hello"}]
+    assert a[0].request(1, [" ok"]).messages[0] == {"role": "system", "content": "You are a coding agent."}
+    bad_files = [("{", "not JSON"), ({"turns": []}, "non-empty list"), ({"turns": [{"text": "x"}]}, "string 'user'"),
+                 ({"turns": [{"user": "x", "max_tokens": 0}]}, "max_tokens"), ({"turns": ["x"]}, "1 conversations, 2")]
+    for bad, says in bad_files:
+        path.write_text((bad if isinstance(bad, str) else json.dumps(bad)) + "\n")
+        with pytest.raises(ValueError, match=says):
+            build_conversations(w)
+
+
 def _run(base_url: str, w: WorkloadConfig, concurrency: int, endpoint: str = "chat") -> dict:
     client = ClientConfig(base_url=base_url, model="fake-model", endpoint=endpoint,  # type: ignore[arg-type]
                           request_timeout_s=30)
@@ -159,6 +181,24 @@ def test_cli_agent_workload_report(tmp_path):
     assert "## By turn" in report and "| c=3 | 2 | 3 |" in report
 
 
+def test_cli_replays_a_trace_file(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"system": "s", "turns": ["a", "b", "c"]}) + "\n"
+                     + json.dumps({"turns": ["d"]}) + "\n")
+    with FakeOpenAIServer(lambda i, body: Behavior(ttft_s=0.01, itl_s=0.005)) as srv:
+        result = CliRunner().invoke(app(), [
+            "--base-url", srv.base_url, "--endpoint", "chat", "--conversations", "2", "--prompts-file", str(trace),
+            "--output-len", "3", "--concurrency", "2", "--out", str(tmp_path), "--no-plots", "--no-progress"])
+        bodies = srv.bodies
+    assert result.exit_code == 0, result.output
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["runs"][0]["num_ok"] == 4 and len(bodies) == 1 + 4  # the warm-up, then every turn
+    assert sorted(b["messages"][-1]["content"] for b in bodies[1:]) == ["a", "b", "c", "d"]
+    result = CliRunner().invoke(app(), ["--model", "m", "--no-progress", "--conversations", "3", "--prompts-file",
+                                        str(trace)])
+    assert result.exit_code == 2 and "2 conversations, 3 asked for" in result.output, result.output
+
+
 @pytest.mark.parametrize("args, says", [
     (["--conversations", "2", "--request-rate", "1"], "--request-rate"),
     (["--conversations", "2", "--num-requests", "9"], "--num-requests"),
@@ -166,6 +206,8 @@ def test_cli_agent_workload_report(tmp_path):
     (["--turns", "3"], "only apply with --conversations"),
     (["--conversations", "0"], "conversations must be >= 1"),
     (["--conversations", "2", "--think-time", "-1"], "think time"),
+    (["--conversations", "2", "--prompts-file", "/no/such.jsonl"], "does not exist"),
+    (["--conversations", "2", "--prompts-file", __file__, "--turns", "2"], "--turns (the trace decides)"),
 ])
 def test_cli_refuses_options_the_agent_workload_would_ignore(args, says):
     result = CliRunner().invoke(app(), ["--model", "m", "--no-progress", *args])

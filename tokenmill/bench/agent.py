@@ -13,13 +13,15 @@ property.
 
 What is drawn from the seed: the shared prefixes (the same in every run of a sweep, as the
 synthetic shared prefix is), and per run the user messages, answer lengths and think
-times, so one run is never served from another's conversations. Answers are the server's,
+times, so one run is never served from another's conversations. Or the conversations come
+from a JSONL trace (`file_conversations`), replayed as they are by every run. Answers are the server's,
 so histories (and with them prompt lengths) depend on what it generates; with ignore_eos
 (the default) every answer has its asked length, so two servers get the same token counts.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +48,9 @@ class Conversation:
     def request(self, k: int, answers: list[str]) -> RequestSpec:
         """Turn `k`'s request, given the server's answers to turns 0..k-1."""
         assert len(answers) == k, "a turn is sent only after every earlier answer came back"
-        messages: list[dict[str, Any]] = [{"role": "system", "content": self.system}]
-        text = [self.system, "\n\n"]
+        # no system message where a trace gives none (the template may then add its default)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": self.system}] if self.system else []
+        text = [self.system, "\n\n"] if self.system else []
         for turn, answer in zip(self.turns[:k], answers):
             messages += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": answer}]
             text += ["User: ", turn.user, "\nAssistant:", answer, "\n"]
@@ -69,11 +72,58 @@ def shared_prefixes(agent: AgentConfig, seed: int) -> list[str]:
     return out
 
 
+def _turn(raw: Any, where: str, cfg: WorkloadConfig, rng: random.Random, first: bool) -> Turn:
+    agent = cfg.agent
+    assert agent is not None
+    row = {"user": raw} if isinstance(raw, str) else raw
+    if not isinstance(row, dict) or not isinstance(row.get("user"), str):
+        raise ValueError(f"{where}: a turn is a string or an object with a string 'user'")
+    max_tokens = row.get("max_tokens", cfg.output_len.draw(rng))
+    think = row.get("think_s", rng.expovariate(1.0 / agent.think_time_s) if agent.think_time_s > 0 else 0.0)
+    if not isinstance(max_tokens, int) or max_tokens < 1 or not isinstance(think, (int, float)) or think < 0:
+        raise ValueError(f"{where}: 'max_tokens' must be an integer >= 1 and 'think_s' a number >= 0")
+    return Turn(user=row["user"], max_tokens=max_tokens, think_s=0.0 if first else float(think))
+
+
+def file_conversations(cfg: WorkloadConfig) -> list[Conversation]:
+    """The first `agent.conversations` conversations of the JSONL trace `cfg.prompts_file`,
+    one a line: `{"system": "...", "turns": ["a user message", {"user": "...",
+    "max_tokens": 32, "think_s": 1.5}, ...]}` ("system" optional). A turn without
+    max_tokens or think_s draws it as a synthetic one would (from the seed, the same in
+    every run)."""
+    agent, path = cfg.agent, cfg.prompts_file
+    assert agent is not None and path is not None
+    rng = random.Random(f"{cfg.seed}:agent-file")
+    convs: list[Conversation] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if len(convs) == agent.conversations:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON: {exc}") from exc
+            if not isinstance(row, dict) or not isinstance(row.get("turns"), list) or not row["turns"]:
+                raise ValueError(f"{where}: needs 'turns', a non-empty list")
+            if not isinstance(row.get("system", ""), str):
+                raise ValueError(f"{where}: 'system' must be a string")
+            turns = tuple(_turn(t, where, cfg, rng, k == 0) for k, t in enumerate(row["turns"]))
+            convs.append(Conversation(index=len(convs), system=row.get("system", ""), turns=turns))
+    if len(convs) < agent.conversations:
+        raise ValueError(f"{path}: {len(convs)} conversations, {agent.conversations} asked for")
+    return convs
+
+
 def build_conversations(cfg: WorkloadConfig, run_index: int = 0) -> list[Conversation]:
-    """The conversations of run `run_index`: prefixes shared by every run, user messages,
-    answer lengths and think times drawn per run."""
+    """The conversations of run `run_index`: from the trace file if there is one; else
+    prefixes shared by every run, user messages, answer lengths and think times drawn per run."""
     agent = cfg.agent
     assert agent is not None, "not an agent workload"
+    if cfg.prompts_file is not None:
+        return file_conversations(cfg)
     prefixes = shared_prefixes(agent, cfg.seed)
     rng = random.Random(f"{cfg.seed}:agent:{run_index}")
     convs = []

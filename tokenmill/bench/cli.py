@@ -18,6 +18,7 @@ from tokenmill.bench.client import ClientConfig, RequestRecord
 from tokenmill.bench.harness import BenchConfig, BenchError, check_target, discover_model, run_benchmark
 from tokenmill.bench.runner import RunSpec
 from tokenmill.bench.stats import Slo
+from tokenmill.bench.agent import file_conversations
 from tokenmill.bench.workload import AgentConfig, LengthDist, WorkloadConfig
 
 
@@ -133,11 +134,12 @@ def bench(
     shared_prefix: float = typer.Option(0.0, "--shared-prefix",
                                         help="Fraction (0..1) of each prompt shared by all requests."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file",
-                                                help="JSONL of {prompt|messages[, max_tokens]}."),
+                                                help="JSONL of {prompt|messages[, max_tokens]}; with --conversations, "
+                                                     "of conversations {system, turns}."),
     conversations: Optional[int] = typer.Option(
         None, "--conversations", help="Agent workload: this many multi-turn conversations (--concurrency of them "
                                       "at a time), each turn's prompt the last one's plus its answer plus a new "
-                                      "user message of --input-len tokens."),
+                                      "user message of --input-len tokens (or replayed from a --prompts-file trace)."),
     turns: int = typer.Option(4, "--turns", help="Agent workload: turns per conversation."),
     prefix_len: int = typer.Option(1500, "--prefix-len",
                                    help="Agent workload: tokens of the system prompt every conversation opens with."),
@@ -168,18 +170,19 @@ def bench(
         rates = parse_sweep(request_rate, float, "--request-rate")
         if not conc and not rates:
             conc = [1]
-        agent = agent_config(ctx, conversations, turns, prefix_len, num_prefixes, think_time)
-        if agent is not None:
-            num_requests = agent.num_requests  # a cap: every turn of every conversation
-        runs = tuple([RunSpec("closed", num_requests, duration, concurrency=c) for c in conc]
-                     + [RunSpec("open", num_requests, duration, request_rate=r,
-                                max_concurrency=max_concurrency) for r in rates])
+        agent = agent_config(ctx, conversations, turns, prefix_len, num_prefixes, think_time, prompts_file)
+        if prompts_file is not None and not prompts_file.is_file():
+            raise BenchError(f"--prompts-file {prompts_file} does not exist")
         workload = WorkloadConfig(
             input_len=LengthDist(input_len, input_dist, input_spread),  # type: ignore[arg-type]
             output_len=LengthDist(output_len, output_dist, output_spread),  # type: ignore[arg-type]
             shared_prefix=shared_prefix, prompts_file=prompts_file, seed=seed, agent=agent)
-        if prompts_file is not None and not prompts_file.is_file():
-            raise BenchError(f"--prompts-file {prompts_file} does not exist")
+        if agent is not None:  # a cap: every turn of every conversation
+            num_requests = (sum(len(c.turns) for c in file_conversations(workload)) if prompts_file
+                            else agent.num_requests)
+        runs = tuple([RunSpec("closed", num_requests, duration, concurrency=c) for c in conc]
+                     + [RunSpec("open", num_requests, duration, request_rate=r,
+                                max_concurrency=max_concurrency) for r in rates])
         extra = parse_extra_body(extra_body)
         model_id = model or discover_model(base_url, api_key)
         client = ClientConfig(base_url=base_url, model=model_id, endpoint=endpoint,  # type: ignore[arg-type]
@@ -209,10 +212,9 @@ def bench(
 
 
 AGENT_ONLY = ("turns", "prefix_len", "num_prefixes", "think_time")
-NOT_WITH_AGENT = {"num_requests": "--num-requests (the agent workload sends --conversations x --turns)",
+NOT_WITH_AGENT = {"num_requests": "--num-requests (the agent workload sends every turn of every conversation)",
                   "request_rate": "--request-rate (conversations run in a closed loop: use --concurrency)",
-                  "shared_prefix": "--shared-prefix (use --prefix-len and --num-prefixes)",
-                  "prompts_file": "--prompts-file"}
+                  "shared_prefix": "--shared-prefix (use --prefix-len and --num-prefixes)"}
 
 
 def _given(ctx: Optional[typer.Context], name: str) -> bool:
@@ -221,15 +223,17 @@ def _given(ctx: Optional[typer.Context], name: str) -> bool:
 
 
 def agent_config(ctx: Optional[typer.Context], conversations: Optional[int], turns: int, prefix_len: int,
-                 num_prefixes: int, think_time: float) -> Optional[AgentConfig]:
-    """The agent workload when --conversations is given; options that would be silently
-    ignored with it (or without it) are refused instead."""
+                 num_prefixes: int, think_time: float, trace: Optional[Path]) -> Optional[AgentConfig]:
+    """The agent workload when --conversations is given (from a JSONL trace with
+    --prompts-file); options that would be silently ignored are refused instead."""
     if conversations is None:
         stray = [f"--{n.replace('_', '-')}" for n in AGENT_ONLY if _given(ctx, n)]
         if stray:
             raise BenchError(f"{', '.join(stray)} only apply with --conversations (the agent workload)")
         return None
     clash = [text for name, text in NOT_WITH_AGENT.items() if _given(ctx, name)]
+    if trace is not None:
+        clash += [f"--{n.replace('_', '-')} (the trace decides)" for n in AGENT_ONLY[:3] if _given(ctx, n)]
     if clash:
         raise BenchError(f"--conversations (the agent workload) does not take {'; '.join(clash)}")
     return AgentConfig(conversations=conversations, turns=turns, prefix_len=prefix_len,

@@ -26,7 +26,7 @@ from tokenmill.bench.agent import build_conversations
 from tokenmill.bench.client import ClientConfig, RequestRecord, send_request
 from tokenmill.bench.runner import RunOutcome, RunSpec, make_client, run_conversations, run_once
 from tokenmill.bench.stats import Slo, run_summary
-from tokenmill.bench.workload import WorkloadConfig, build_requests
+from tokenmill.bench.workload import WorkloadConfig, build_requests, synthetic_requests
 
 HARNESS_VERSION = 1
 
@@ -82,7 +82,9 @@ def discover_model(base_url: str, api_key: Optional[str], timeout_s: float = 10.
 
 def describe_workload(w: WorkloadConfig) -> str:
     a = w.agent
-    if a is not None:
+    if a is not None and w.prompts_file:
+        src = f"agent: the first {a.conversations} conversations of {w.prompts_file}"
+    elif a is not None:
         think = f", think time mean {a.think_time_s:g} s" if a.think_time_s else ""
         src = (f"agent: {a.conversations} conversations x {a.turns} turns, {a.num_prefixes} shared "
                f"prefix{'es' if a.num_prefixes > 1 else ''} of {a.prefix_len} tokens{think}; "
@@ -124,7 +126,9 @@ async def _warmup(cfg: BenchConfig) -> list[RequestRecord]:
     lazy initialization that is no part of steady-state serving."""
     if cfg.warmup <= 0:
         return []
-    reqs = build_requests(cfg.workload, cfg.warmup, run_index=-1)
+    # an agent workload warms up on one-turn synthetic prompts (its prompts file is a trace)
+    w = cfg.workload
+    reqs = synthetic_requests(w, cfg.warmup, run_index=-1) if w.agent else build_requests(w, cfg.warmup, run_index=-1)
     async with make_client(cfg.client, 1) as client:
         return [await send_request(client, cfg.client, r, 0.0) for r in reqs]
 
