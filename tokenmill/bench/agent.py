@@ -14,9 +14,10 @@ property.
 What is drawn from the seed: the shared prefixes (the same in every run of a sweep, as the
 synthetic shared prefix is), and per run the user messages, answer lengths and think
 times, so one run is never served from another's conversations. Or the conversations come
-from a JSONL trace (`file_conversations`), replayed as they are by every run. Answers are the server's,
-so histories (and with them prompt lengths) depend on what it generates; with ignore_eos
-(the default) every answer has its asked length, so two servers get the same token counts.
+from a JSONL trace (`file_conversations`), replayed as they are by every run. Answers are
+the server's, so histories (and with them prompt lengths) depend on what it generates;
+with ignore_eos (the default) every answer has its asked length, so two servers get the
+same token counts.
 """
 
 from __future__ import annotations

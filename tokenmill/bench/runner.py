@@ -152,7 +152,7 @@ async def _conversations(client: httpx.AsyncClient, cfg: ClientConfig, spec: Run
         nonlocal sent
         answers: list[str] = []
         for k, turn in enumerate(conv.turns):
-            if turn.think_s:
+            if turn.think_s and more():
                 await asyncio.sleep(turn.think_s)
             if not more():
                 return
