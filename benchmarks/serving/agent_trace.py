@@ -7,7 +7,8 @@ script starts one after the other on the embedded model with a small `--kv-cache
 - **tier off**: memory only: a conversation whose history was evicted while it was away
   recomputes it;
 - **tier on**: `--kv-disk-dir` (a fresh temporary directory) under the same pool: it reads
-  the history back from disk instead.
+  the history back from disk instead (from the OS page cache where it still holds the
+  files, as it will on a machine with free memory).
 
 Printed: TTFT p50/p99, mean ITL, goodput under the objectives, the share of prompt tokens
 served from cache (server usage), tokens read back from disk, preemptions, and the on/off
@@ -29,6 +30,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -156,6 +158,7 @@ def main() -> None:
     workload = WorkloadConfig(input_len=LengthDist(args.user_len), output_len=LengthDist(args.answer_len),
                               seed=args.seed, agent=agent)
     work = Path(tempfile.mkdtemp(prefix="tokenmill-agent-trace-"))
+    t0 = time.monotonic()
     off = arm("tier-off", args, workload, work, None)
     disk = work / "kv"
     try:
@@ -175,7 +178,7 @@ def main() -> None:
     print("\n".join(table(off, on, args)))
     print(f"\n(other processes kept {_f(off['other_cores'], '.1f')} / {_f(on['other_cores'], '.1f')} of "
           f"{os.cpu_count()} cores busy during tier off / on)")
-    print(f"server logs: {work}")
+    print(f"both arms, server starts included: {time.monotonic() - t0:.0f} s; server logs: {work}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
                                          "pool_tokens": pool_tokens, "trace_tokens": kv_tokens,
