@@ -43,7 +43,7 @@ model-minilm: $(STAMP)
 # race against llama.cpp is `benchmarks/compare` (~40 min); see benchmarks/README.md.
 BENCH_QUICK := engine.engine_speed engine.model_speed engine.offline_throughput engine.prefix_cache \
 	engine.quality engine.sampled_speed engine.structured serving.server_overhead serving.spec_decode \
-	serving.slo_autotune serving.batch_interference serving.cluster_routing serving.cluster_sim
+	serving.slo_autotune serving.batch_interference serving.cluster_routing serving.cluster_sim serving.agent_trace
 
 bench: $(STAMP)
 	@for m in $(BENCH_QUICK); do echo "== python -m benchmarks.$$m --quick"; \

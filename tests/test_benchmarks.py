@@ -44,6 +44,7 @@ QUICK = {
     "serving.model_swap": rf"both resident: {NUM} MiB against {NUM} MiB",
     "soak.run": r"verdict: PASS",
     "serving.shadow_overhead": rf"\| on, gaps \| {NUM} \| {NUM} \| [0-9]+ \|",
+    "serving.agent_trace": rf"\| prompt tokens served from cache \| {NUM}% \| {NUM}% \| {NUM}x \|",
 }
 # run with more than --quick by their own test, which also checks the QUICK pattern above
 ELSEWHERE = {"soak.run": "tests/test_soak.py (--quick --faults, its JSON judged)"}

@@ -34,6 +34,7 @@ class Behavior:
     send_usage: bool = True
     stall_at: Optional[int] = None  # chunk index before which the stream stalls once...
     stall_s: float = 0.0  # ...for this long (every later chunk shifts by it)
+    cached_tokens: Optional[int] = None  # usage.prompt_tokens_details.cached_tokens, when given
 
 
 Plan = Callable[[int, dict[str, Any]], Behavior]
@@ -155,9 +156,11 @@ class FakeOpenAIServer:
             event({"choices": [last | {"finish_reason": "length" if b.kind == "ok" else "stop"}]})
             if b.send_usage:
                 prompt = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
-                event({"choices": [], "usage": {"prompt_tokens": len(prompt.split()),
-                                                "completion_tokens": n * b.tokens_per_chunk,
-                                                "total_tokens": len(prompt.split()) + n * b.tokens_per_chunk}})
+                usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n * b.tokens_per_chunk,
+                         "total_tokens": len(prompt.split()) + n * b.tokens_per_chunk}
+                if b.cached_tokens is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": b.cached_tokens}
+                event({"choices": [], "usage": usage})
         event("[DONE]")
         writer.write(b"0\r\n\r\n")
         return True

@@ -18,7 +18,8 @@ from tokenmill.bench.client import ClientConfig, RequestRecord
 from tokenmill.bench.harness import BenchConfig, BenchError, check_target, discover_model, run_benchmark
 from tokenmill.bench.runner import RunSpec
 from tokenmill.bench.stats import Slo
-from tokenmill.bench.workload import LengthDist, WorkloadConfig
+from tokenmill.bench.agent import file_conversations
+from tokenmill.bench.workload import AgentConfig, LengthDist, WorkloadConfig
 
 
 def parse_sweep(text: Optional[str], kind: type, name: str) -> list[Any]:
@@ -92,7 +93,7 @@ def print_summary(results: dict[str, Any]) -> None:
 
     t = Table(title=f"{results['meta']['model']} @ {results['meta']['base_url']}", box=box.SIMPLE_HEAD)
     for col in ("run", "ok", "req/s", "goodput\nreq/s", "output\ntok/s", "TTFT ms\np50 / p99",
-                "ITL ms\np50 / p99"):
+                "ITL ms\np50 / p99", "cached"):
         t.add_column(col, justify="right", no_wrap=True)
     f = lambda x, nd=1: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
     errors = []
@@ -100,7 +101,8 @@ def print_summary(results: dict[str, Any]) -> None:
         t.add_row(r["label"], f"{r['num_ok']}/{r['num_requests']}", f(r["requests_per_s"], 2),
                   f(r["goodput_rps"], 2), f(r["output_tokens_per_s"]),
                   f"{f(r['ttft_ms']['p50'])} / {f(r['ttft_ms']['p99'])}",
-                  f"{f(r['itl_ms']['p50'])} / {f(r['itl_ms']['p99'])}")
+                  f"{f(r['itl_ms']['p50'])} / {f(r['itl_ms']['p99'])}",
+                  "-" if r.get("cached_token_share") is None else f"{r['cached_token_share']:.0%}")
         if r["errors_by_kind"]:
             errors.append(f"{r['label']} errors: " + ", ".join(f"{k} x{v}" for k, v in r["errors_by_kind"].items()))
     console = Console(stderr=True)
@@ -132,7 +134,18 @@ def bench(
     shared_prefix: float = typer.Option(0.0, "--shared-prefix",
                                         help="Fraction (0..1) of each prompt shared by all requests."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file",
-                                                help="JSONL of {prompt|messages[, max_tokens]}."),
+                                                help="JSONL of {prompt|messages[, max_tokens]}; with --conversations, "
+                                                     "of conversations {system, turns}."),
+    conversations: Optional[int] = typer.Option(
+        None, "--conversations", help="Agent workload: this many multi-turn conversations (--concurrency of them "
+                                      "at a time), each turn's prompt the last one's plus its answer plus a new "
+                                      "user message of --input-len tokens (or replayed from a --prompts-file trace)."),
+    turns: int = typer.Option(4, "--turns", help="Agent workload: turns per conversation."),
+    prefix_len: int = typer.Option(1500, "--prefix-len",
+                                   help="Agent workload: tokens of the system prompt every conversation opens with."),
+    num_prefixes: int = typer.Option(1, "--num-prefixes", help="Agent workload: how many such system prompts."),
+    think_time: float = typer.Option(0.0, "--think-time",
+                                     help="Agent workload: mean seconds between an answer and the next turn."),
     seed: int = typer.Option(0, "--seed", help="Seed for prompts, lengths and arrivals."),
     temperature: float = typer.Option(0.0, "--temperature"),
     no_ignore_eos: bool = typer.Option(False, "--no-ignore-eos", help="Do not send ignore_eos: true."),
@@ -157,15 +170,19 @@ def bench(
         rates = parse_sweep(request_rate, float, "--request-rate")
         if not conc and not rates:
             conc = [1]
-        runs = tuple([RunSpec("closed", num_requests, duration, concurrency=c) for c in conc]
-                     + [RunSpec("open", num_requests, duration, request_rate=r,
-                                max_concurrency=max_concurrency) for r in rates])
+        agent = agent_config(ctx, conversations, turns, prefix_len, num_prefixes, think_time, prompts_file)
+        if prompts_file is not None and not prompts_file.is_file():
+            raise BenchError(f"--prompts-file {prompts_file} does not exist")
         workload = WorkloadConfig(
             input_len=LengthDist(input_len, input_dist, input_spread),  # type: ignore[arg-type]
             output_len=LengthDist(output_len, output_dist, output_spread),  # type: ignore[arg-type]
-            shared_prefix=shared_prefix, prompts_file=prompts_file, seed=seed)
-        if prompts_file is not None and not prompts_file.is_file():
-            raise BenchError(f"--prompts-file {prompts_file} does not exist")
+            shared_prefix=shared_prefix, prompts_file=prompts_file, seed=seed, agent=agent)
+        if agent is not None:  # a cap: every turn of every conversation
+            num_requests = (sum(len(c.turns) for c in file_conversations(workload)) if prompts_file
+                            else agent.num_requests)
+        runs = tuple([RunSpec("closed", num_requests, duration, concurrency=c) for c in conc]
+                     + [RunSpec("open", num_requests, duration, request_rate=r,
+                                max_concurrency=max_concurrency) for r in rates])
         extra = parse_extra_body(extra_body)
         model_id = model or discover_model(base_url, api_key)
         client = ClientConfig(base_url=base_url, model=model_id, endpoint=endpoint,  # type: ignore[arg-type]
@@ -192,6 +209,35 @@ def bench(
     else:
         typer.echo(json.dumps({"meta": results["meta"], "runs": [
             {k: v for k, v in r.items() if k != "requests"} for r in results["runs"]]}, indent=1))
+
+
+AGENT_ONLY = ("turns", "prefix_len", "num_prefixes", "think_time")
+NOT_WITH_AGENT = {"num_requests": "--num-requests (the agent workload sends every turn of every conversation)",
+                  "request_rate": "--request-rate (conversations run in a closed loop: use --concurrency)",
+                  "shared_prefix": "--shared-prefix (use --prefix-len and --num-prefixes)"}
+
+
+def _given(ctx: Optional[typer.Context], name: str) -> bool:
+    source = ctx.get_parameter_source(name) if ctx is not None else None
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def agent_config(ctx: Optional[typer.Context], conversations: Optional[int], turns: int, prefix_len: int,
+                 num_prefixes: int, think_time: float, trace: Optional[Path]) -> Optional[AgentConfig]:
+    """The agent workload when --conversations is given (from a JSONL trace with
+    --prompts-file); options that would be silently ignored are refused instead."""
+    if conversations is None:
+        stray = [f"--{n.replace('_', '-')}" for n in AGENT_ONLY if _given(ctx, n)]
+        if stray:
+            raise BenchError(f"{', '.join(stray)} only apply with --conversations (the agent workload)")
+        return None
+    clash = [text for name, text in NOT_WITH_AGENT.items() if _given(ctx, name)]
+    if trace is not None:
+        clash += [f"--{n.replace('_', '-')} (the trace decides)" for n in AGENT_ONLY[:3] if _given(ctx, n)]
+    if clash:
+        raise BenchError(f"--conversations (the agent workload) does not take {'; '.join(clash)}")
+    return AgentConfig(conversations=conversations, turns=turns, prefix_len=prefix_len,
+                       num_prefixes=num_prefixes, think_time_s=think_time)
 
 
 def command_line(ctx: Optional[typer.Context], command: str = "bench") -> str:

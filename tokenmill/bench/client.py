@@ -12,6 +12,8 @@ Timing definitions (also written into every report):
   for it with `stream_options.include_usage`); if the server sends none, the number of
   content chunks, and the record says `usage_source: "chunks"`.
 - Decode tokens/s per stream: (output_tokens - 1) / (E2E - TTFT).
+- Cached tokens: `usage.prompt_tokens_details.cached_tokens` (prompt tokens the server's
+  prefix cache served), None where the server does not say.
 
 Nothing here raises for a failed request: every failure becomes a record with `ok=False`
 and an `error_kind` (`http_500`, `http_429`, `connection_dropped`, `timeout`,
@@ -75,6 +77,9 @@ class RequestRecord:
     usage_source: Optional[str] = None  # "usage" | "chunks"
     num_chunks: int = 0
     finish_reason: Optional[str] = None
+    cached_tokens: Optional[int] = None
+    conversation: Optional[int] = None  # agent workload: which conversation, which turn (from 0)
+    turn: Optional[int] = None
 
     @property
     def decode_tokens_per_s(self) -> Optional[float]:
@@ -146,8 +151,10 @@ def _error_kind(exc: BaseException) -> str:
     return f"client_{type(exc).__name__}"
 
 
-async def _consume(resp: httpx.Response, rec: RequestRecord, t0: float) -> None:
-    """Read the SSE stream into `rec` (times relative to `t0`, perf_counter seconds)."""
+async def _consume(resp: httpx.Response, rec: RequestRecord, t0: float,
+                   text_out: Optional[list[str]]) -> None:
+    """Read the SSE stream into `rec` (times relative to `t0`, perf_counter seconds) and
+    the generated text into `text_out` when given."""
     last_t: Optional[float] = None
     usage_tokens: Optional[int] = None
     done = False
@@ -169,8 +176,14 @@ async def _consume(resp: httpx.Response, rec: RequestRecord, t0: float) -> None:
             usage_tokens = int(usage["completion_tokens"])
             if usage.get("prompt_tokens") is not None:
                 rec.prompt_tokens = int(usage["prompt_tokens"])
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:
+                rec.cached_tokens = int(cached)
         rec.finish_reason = _finish_reason(obj) or rec.finish_reason
-        if _chunk_text(obj):
+        text = _chunk_text(obj)
+        if text:
+            if text_out is not None:
+                text_out.append(text)
             rec.num_chunks += 1
             if last_t is None:
                 rec.ttft_ms = (now - t0) * 1000.0
@@ -195,11 +208,12 @@ async def _consume(resp: httpx.Response, rec: RequestRecord, t0: float) -> None:
 
 
 async def send_request(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec,
-                       run_t0: float) -> RequestRecord:
-    """Send `spec`, stream the answer, and return its record; never raises (except on
-    cancellation, which is the caller's to decide)."""
+                       run_t0: float, text_out: Optional[list[str]] = None) -> RequestRecord:
+    """Send `spec`, stream the answer (its text appended to `text_out` when given), and
+    return its record; never raises (except on cancellation, which is the caller's to decide)."""
     rec = RequestRecord(index=spec.index, requested_output_tokens=spec.max_tokens,
-                        requested_input_tokens=spec.input_len)
+                        requested_input_tokens=spec.input_len, conversation=spec.conversation,
+                        turn=spec.turn)
     t0 = time.perf_counter()
     rec.start_s = t0 - run_t0
     try:
@@ -210,7 +224,7 @@ async def send_request(client: httpx.AsyncClient, cfg: ClientConfig, spec: Reque
                     body = (await resp.aread())[:300].decode("utf-8", "replace")
                     rec.error_kind, rec.error = f"http_{resp.status_code}", body
                 else:
-                    await _consume(resp, rec, t0)
+                    await _consume(resp, rec, t0, text_out)
     except (httpx.HTTPError, asyncio.TimeoutError, json.JSONDecodeError, ValueError, OSError) as exc:
         rec.ok = False
         rec.error_kind, rec.error = _error_kind(exc), f"{type(exc).__name__}: {exc}"[:300]

@@ -3,7 +3,9 @@
 `run_benchmark` checks the target is loopback (unless allowed), finds the model id if
 none was given, sends optional warm-up requests, then runs every sweep point in turn
 (closed-loop concurrencies first, then open-loop rates), each with fresh prompts drawn
-from the same distributions (see workload.build_requests).
+from the same distributions (see workload.build_requests); an agent workload runs each
+concurrency as that many conversations at a time, each run with its own conversations
+(see agent.build_conversations).
 It talks HTTP only; nothing here imports the engine or the model.
 """
 
@@ -20,10 +22,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from tokenmill.bench.agent import build_conversations
 from tokenmill.bench.client import ClientConfig, RequestRecord, send_request
-from tokenmill.bench.runner import RunOutcome, RunSpec, make_client, run_once
+from tokenmill.bench.runner import RunOutcome, RunSpec, make_client, run_conversations, run_once
 from tokenmill.bench.stats import Slo, run_summary
-from tokenmill.bench.workload import WorkloadConfig, build_requests
+from tokenmill.bench.workload import WorkloadConfig, build_requests, synthetic_requests
 
 HARNESS_VERSION = 1
 
@@ -78,7 +81,15 @@ def discover_model(base_url: str, api_key: Optional[str], timeout_s: float = 10.
 
 
 def describe_workload(w: WorkloadConfig) -> str:
-    if w.prompts_file:
+    a = w.agent
+    if a is not None and w.prompts_file:
+        src = f"agent: the first {a.conversations} conversations of {w.prompts_file}"
+    elif a is not None:
+        think = f", think time mean {a.think_time_s:g} s" if a.think_time_s else ""
+        src = (f"agent: {a.conversations} conversations x {a.turns} turns, {a.num_prefixes} shared "
+               f"prefix{'es' if a.num_prefixes > 1 else ''} of {a.prefix_len} tokens{think}; "
+               f"user messages {w.input_len.kind} mean {w.input_len.mean} tokens")
+    elif w.prompts_file:
         src = f"prompts from {w.prompts_file}"
     else:
         src = (f"synthetic, input {w.input_len.kind} mean {w.input_len.mean} tokens"
@@ -100,6 +111,7 @@ def _meta(cfg: BenchConfig) -> dict[str, Any]:
             "input_len": asdict(w.input_len), "output_len": asdict(w.output_len),
             "shared_prefix": w.shared_prefix,
             "prompts_file": str(w.prompts_file) if w.prompts_file else None,
+            "agent": asdict(w.agent) if w.agent else None,
         },
         "workload_desc": describe_workload(w),
         "slo": {"ttft_ms": cfg.slo.ttft_ms, "itl_ms": cfg.slo.itl_ms, "itl_statistic": "mean"},
@@ -114,7 +126,9 @@ async def _warmup(cfg: BenchConfig) -> list[RequestRecord]:
     lazy initialization that is no part of steady-state serving."""
     if cfg.warmup <= 0:
         return []
-    reqs = build_requests(cfg.workload, cfg.warmup, run_index=-1)
+    # an agent workload warms up on one-turn synthetic prompts (its prompts file is a trace)
+    w = cfg.workload
+    reqs = synthetic_requests(w, cfg.warmup, run_index=-1) if w.agent else build_requests(w, cfg.warmup, run_index=-1)
     async with make_client(cfg.client, 1) as client:
         return [await send_request(client, cfg.client, r, 0.0) for r in reqs]
 
@@ -131,10 +145,15 @@ async def run_benchmark_async(cfg: BenchConfig, on_start: Optional[StartHook] = 
     meta["warmup_errors"] = sum(1 for r in warm if not r.ok)
     runs = []
     for k, spec in enumerate(cfg.runs):
-        requests = build_requests(cfg.workload, spec.num_requests, run_index=k)
         if on_start:
             on_start(spec.label, spec.num_requests)
-        outcome: RunOutcome = await run_once(cfg.client, spec, requests, cfg.workload.seed, on_done)
+        outcome: RunOutcome
+        if cfg.workload.agent:
+            conversations = build_conversations(cfg.workload, run_index=k)
+            outcome = await run_conversations(cfg.client, spec, conversations, on_done)
+        else:
+            requests = build_requests(cfg.workload, spec.num_requests, run_index=k)
+            outcome = await run_once(cfg.client, spec, requests, cfg.workload.seed, on_done)
         runs.append(run_summary(outcome, cfg.slo))
     return {"meta": meta, "runs": runs}
 

@@ -23,11 +23,29 @@ DEFINITIONS = """\
   completion.
 - **Goodput**: successful requests per second whose TTFT <= the TTFT objective **and** whose
   **mean** ITL <= the ITL objective (an objective not given is not checked).
+- **Cached**: the share of prompt tokens the server's prefix cache served, from
+  `usage.prompt_tokens_details.cached_tokens` ("-" where the server does not report it).
 """
 
 
 def _f(x: Optional[float], nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _by_turn(runs: list[dict[str, Any]]) -> list[str]:
+    """Agent runs: one row per run and turn, so first turns (cold history) and later ones
+    (history the cache may still hold) can be told apart."""
+    rows = [(r["label"], t, v) for r in runs for t, v in (r.get("by_turn") or {}).items()]
+    if not rows:
+        return []
+    lines = ["## By turn", "", "| run | turn | requests | TTFT p50 | TTFT p99 | cached |", "|---|---|---|---|---|---|"]
+    lines += [f"| {label} | {t} | {v['requests']} | {_f(v['ttft_ms']['p50'])} | {_f(v['ttft_ms']['p99'])} "
+              f"| {_pct(v['cached_token_share'])} |" for label, t, v in rows]
+    return lines + [""]
 
 
 def _slo_text(slo: dict[str, Any]) -> str:
@@ -55,8 +73,8 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
         "## Summary",
         "",
         "| run | ok/sent | req/s | goodput req/s | out tok/s | total tok/s | TTFT p50 | TTFT p99 "
-        "| ITL p50 | ITL p99 | E2E p50 | decode tok/s/stream p50 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 | ITL p99 | E2E p50 | decode tok/s/stream p50 | cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         lines.append(
@@ -64,8 +82,9 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
             f"| {_f(r['goodput_rps'], 2)} | {_f(r['output_tokens_per_s'])} | {_f(r['total_tokens_per_s'])} "
             f"| {_f(r['ttft_ms']['p50'])} | {_f(r['ttft_ms']['p99'])} | {_f(r['itl_ms']['p50'])} "
             f"| {_f(r['itl_ms']['p99'])} | {_f(r['e2e_ms']['p50'])} "
-            f"| {_f(r['decode_tokens_per_s_per_stream']['p50'])} |")
+            f"| {_f(r['decode_tokens_per_s_per_stream']['p50'])} | {_pct(r.get('cached_token_share'))} |")
     lines += ["", "Latencies in ms.", ""]
+    lines += _by_turn(results["runs"])
     errs = [(r["label"], r["errors_by_kind"]) for r in results["runs"] if r["errors_by_kind"]]
     if errs:
         lines += ["## Errors", ""]

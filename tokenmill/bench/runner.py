@@ -1,4 +1,5 @@
-"""Drive the load: a closed loop at fixed concurrency, or an open loop of Poisson arrivals.
+"""Drive the load: a closed loop at fixed concurrency, or an open loop of Poisson arrivals;
+for the agent workload, a closed loop of conversations (`run_conversations`).
 
 Both are bounded twice: by a request count and by a duration. After `duration_s` no new
 request is started; requests already in flight are awaited (each is bounded by the
@@ -18,6 +19,7 @@ from typing import Callable, Literal, Optional
 
 import httpx
 
+from tokenmill.bench.agent import Conversation
 from tokenmill.bench.client import ClientConfig, RequestRecord, send_request
 from tokenmill.bench.workload import RequestSpec, poisson_arrivals
 
@@ -135,6 +137,63 @@ async def _open(client: httpx.AsyncClient, cfg: ClientConfig, spec: RunSpec,
         tasks.append(asyncio.create_task(one(req)))
     await asyncio.gather(*tasks)
     return records
+
+
+async def _conversations(client: httpx.AsyncClient, cfg: ClientConfig, spec: RunSpec,
+                         conversations: list[Conversation], deadline: float, t0: float,
+                         on_done: Optional[OnDone]) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    next_c = sent = 0  # shared cursors; safe without a lock: asyncio switches only at awaits
+
+    def more() -> bool:
+        return sent < spec.num_requests and time.perf_counter() < deadline
+
+    async def converse(conv: Conversation) -> None:
+        nonlocal sent
+        answers: list[str] = []
+        for k, turn in enumerate(conv.turns):
+            if turn.think_s and more():
+                await asyncio.sleep(turn.think_s)
+            if not more():
+                return
+            sent += 1
+            text: list[str] = []
+            rec = await send_request(client, cfg, conv.request(k, answers), t0, text)
+            records.append(rec)
+            if on_done:
+                on_done(rec)
+            if not rec.ok:
+                return  # without its answer the conversation has no history to go on with
+            answers.append("".join(text))
+
+    async def worker() -> None:
+        nonlocal next_c
+        while next_c < len(conversations) and more():
+            next_c += 1
+            await converse(conversations[next_c - 1])
+
+    assert spec.concurrency is not None
+    await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+    return records
+
+
+async def run_conversations(cfg: ClientConfig, spec: RunSpec, conversations: list[Conversation],
+                            on_done: Optional[OnDone] = None) -> RunOutcome:
+    """Replay `conversations` in a closed loop: `spec.concurrency` of them at a time, each
+    turn sent when the conversation's previous answer is back (and its think time has
+    passed), the next conversation started when one ends. A conversation whose turn fails
+    ends there. Bounded by `spec.num_requests` turns and `spec.duration_s`."""
+    if spec.mode != "closed":
+        raise ValueError("conversations run in a closed loop (a concurrency, not a request rate)")
+    assert spec.concurrency is not None
+    async with make_client(cfg, spec.concurrency) as client:
+        await preconnect(client, cfg, min(spec.concurrency, MAX_PRECONNECT))
+        t0 = time.perf_counter()
+        deadline = t0 + spec.duration_s if spec.duration_s else float("inf")
+        records = await _conversations(client, cfg, spec, conversations, deadline, t0, on_done)
+        duration = time.perf_counter() - t0
+    records.sort(key=lambda r: r.index)
+    return RunOutcome(spec=spec, records=records, duration_s=duration)
 
 
 async def run_once(cfg: ClientConfig, spec: RunSpec, requests: list[RequestSpec], seed: int = 0,

@@ -9,6 +9,10 @@ objective that is not given is not checked (with neither, goodput = requests/s).
 
 Throughputs divide by the run's wall time (first send to last completion), so they
 include ramp-up and tail; output tokens come from server usage where it was sent.
+
+Cached-token share: prompt tokens the server said its prefix cache served
+(`usage.prompt_tokens_details.cached_tokens`) over all prompt tokens, counting only
+successful requests whose usage said both; None when the server said neither.
 """
 
 from __future__ import annotations
@@ -53,6 +57,26 @@ def summarize(values: Sequence[float]) -> dict[str, Optional[float]]:
     return out
 
 
+def cache_summary(ok: Sequence[RequestRecord]) -> dict[str, Any]:
+    told = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    cached, prompt = sum(r.cached_tokens or 0 for r in told), sum(r.prompt_tokens or 0 for r in told)
+    return {"cached_tokens_total": cached if told else None,
+            "cached_token_share": cached / prompt if told else None}
+
+
+def by_turn(ok: Sequence[RequestRecord]) -> Optional[dict[str, Any]]:
+    """Agent runs: TTFT and cached-token share of each turn (from 1) across conversations."""
+    turns = sorted({r.turn for r in ok if r.turn is not None})
+    if not turns:
+        return None
+    out = {}
+    for t in turns:
+        mine = [r for r in ok if r.turn == t]
+        ttft = summarize([r.ttft_ms for r in mine if r.ttft_ms is not None])
+        out[str(t + 1)] = {"requests": len(mine), "ttft_ms": ttft, **cache_summary(mine)}
+    return out
+
+
 def run_summary(outcome: RunOutcome, slo: Slo) -> dict[str, Any]:
     """One entry of `runs` in results.json (the schema other tools consume)."""
     spec, recs, dur = outcome.spec, outcome.records, outcome.duration_s
@@ -91,5 +115,7 @@ def run_summary(outcome: RunOutcome, slo: Slo) -> dict[str, Any]:
         "itl_ms": summarize([g for r in ok for g in r.itl_ms]),
         "e2e_ms": summarize([r.e2e_ms for r in ok if r.e2e_ms is not None]),
         "decode_tokens_per_s_per_stream": summarize(decode),
+        **cache_summary(ok),
+        "by_turn": by_turn(ok),
         "requests": [r.to_json() for r in recs],
     }

@@ -2,7 +2,9 @@
 
 A workload is either synthetic (prompts of random common English words with input and
 output lengths drawn from a distribution, the first part optionally shared by every
-request) or read from a JSONL file of real prompts. The same seed gives the same
+request), read from a JSONL file of real prompts, or multi-turn agent conversations
+(`AgentConfig`, built and replayed by `bench.agent`: each turn's prompt is the previous
+turn's prompt, the server's answer and a new user message). The same seed gives the same
 prompts, lengths and (for open-loop runs) the same Poisson arrival times; each run of a
 sweep gets its own synthetic prompts, so no run is served from another's cache.
 
@@ -66,6 +68,33 @@ class LengthDist:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """Multi-turn agent conversations: `conversations` of `turns` each; every prompt starts
+    with one of `num_prefixes` shared system prompts of `prefix_len` tokens (a tool
+    catalogue, say), then the conversation's history and a new user message (of the
+    workload's input length; answers of its output length). A conversation's next turn
+    goes out when its previous answer is back, after a think time drawn exponentially
+    with mean `think_time_s` (0: none)."""
+
+    conversations: int = 16
+    turns: int = 4
+    prefix_len: int = 1500
+    num_prefixes: int = 1
+    think_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("conversations", "turns", "prefix_len", "num_prefixes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agent {name} must be >= 1, got {getattr(self, name)}")
+        if self.think_time_s < 0:
+            raise ValueError(f"think time must be >= 0, got {self.think_time_s}")
+
+    @property
+    def num_requests(self) -> int:
+        return self.conversations * self.turns
+
+
+@dataclass(frozen=True)
 class WorkloadConfig:
     """Everything that decides the requests, resolved once from the command line."""
 
@@ -74,6 +103,7 @@ class WorkloadConfig:
     shared_prefix: float = 0.0  # fraction of each synthetic prompt identical across requests
     prompts_file: Optional[Path] = None
     seed: int = 0
+    agent: Optional[AgentConfig] = None  # set: multi-turn conversations instead of single requests
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shared_prefix <= 1.0:
@@ -91,6 +121,8 @@ class RequestSpec:
     max_tokens: int
     input_len: Optional[int] = None
     messages: Optional[list[dict[str, Any]]] = None
+    conversation: Optional[int] = None  # agent workload: which conversation, which turn (from 0)
+    turn: Optional[int] = None
 
 
 def _words(rng: random.Random, n: int) -> list[str]:
