@@ -219,7 +219,7 @@ def replay(
     import json
     import os
 
-    from tokenmill.batch.store import default_data_dir
+    from tokenmill.batch.storage import default_data_dir
     from tokenmill.server.capture import CaptureStore
     from tokenmill.server.replay import ReplayError, replay as run_replay
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tokenmill.batch.store import StoreBusy
+from tokenmill.batch.storage import StoreBusy
 from tokenmill.server.key_cache import BUSY_S, KeyCache
 from tokenmill.server.keys import KeyStore, TenantLimits
 

@@ -20,7 +20,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
 
-from tokenmill.batch.store import BatchStore, Line, LineResult, StoreBusy
+from tokenmill.batch.storage import StoreBusy
+from tokenmill.batch.store import BatchStore, Line, LineResult
 
 log = logging.getLogger("tokenmill.batch")
 BUSY_RETRY_S = 1.0  # how soon the runner tries a store another process has locked again

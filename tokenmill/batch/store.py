@@ -23,7 +23,6 @@ under another process's write lock (WAL).
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -37,6 +36,10 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+from tokenmill.batch.objects import batch_obj as _batch_obj
+from tokenmill.batch.objects import file_obj as _file_obj
+from tokenmill.batch.storage import StoreLocked, storage_error
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -64,42 +67,11 @@ CREATE INDEX IF NOT EXISTS lines_state ON lines(batch_id, state, line);
 """
 
 
-class StoreLocked(RuntimeError):
-    """Another process holds this data directory."""
-
-
-class StoreBusy(RuntimeError):
-    """Another process holds the database's lock (past BUSY_S): try again later."""
-
-
-class StoreFull(StoreBusy):
-    """The disk under the data directory is full: nothing was written (each change is one
-    transaction; a file is written beside its final name and moved into place), so what
-    was stored stays whole. Try again once there is room; the batch runner does, as it
-    does for a busy store."""
-
-
 BUSY_S = 0.0  # how long a call waits for another process's lock on the database (see above)
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: a file-size limit (RLIMIT_FSIZE, quotas)
 
 
 def _busy(exc: sqlite3.OperationalError) -> Exception:
     return storage_error(exc, "the batch store")
-
-
-def storage_error(exc: BaseException, what: str) -> BaseException:
-    """`exc` from a write under the data directory as StoreBusy or StoreFull where it is
-    one of those (SQLite reports a full disk as SQLITE_FULL, "database or disk is full"),
-    else `exc` itself."""
-    text = str(exc)
-    if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text):
-        return StoreBusy(f"{what}'s database is locked by another process ({text}); retry shortly")
-    full = (isinstance(exc, sqlite3.OperationalError) and "disk is full" in text) or (
-        isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS)
-    if full:
-        return StoreFull(f"{what} cannot write: the disk under the data directory is full ({text}); nothing was "
-                         "stored, retry once there is room")
-    return exc
 
 
 @dataclass(frozen=True)
@@ -123,13 +95,6 @@ class LineResult:
     cost_usd: Decimal = Decimal(0)
     cost_card: str | None = None
     reasoning_tokens: int = 0  # of output_tokens, inside thinking blocks
-
-
-def default_data_dir(port: int) -> Path:
-    """One server's own directory under the user's data directory (XDG), by port, so
-    two servers on one machine do not share (and lock each other out of) one store."""
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "tokenmill" / f"server-{port}"
 
 
 def new_id(prefix: str) -> str:
@@ -443,29 +408,3 @@ class BatchStore:
         args.append(limit + 1)
         rows = self._query(sql, tuple(args))
         return [conv(r) for r in rows[:limit]], len(rows) > limit
-
-
-def _file_obj(r: sqlite3.Row) -> dict[str, Any]:
-    return {"id": r["id"], "object": "file", "bytes": r["bytes"], "created_at": r["created_at"],
-            "filename": r["filename"], "purpose": r["purpose"], "status": r["status"], "expires_at": None,
-            "status_details": None}
-
-
-def _batch_obj(r: sqlite3.Row) -> dict[str, Any]:
-    usage = {"input_tokens": r["input_tokens"], "input_tokens_details": {"cached_tokens": r["cached_tokens"]},
-             "output_tokens": r["output_tokens"], "output_tokens_details": {"reasoning_tokens": r["reasoning_tokens"]},
-             "total_tokens": r["input_tokens"] + r["output_tokens"]}
-    obj = {"id": r["id"], "object": "batch", "endpoint": r["endpoint"],
-           "errors": json.loads(r["errors"]) if r["errors"] else None,
-           "input_file_id": r["input_file_id"], "completion_window": r["completion_window"], "status": r["status"],
-           "output_file_id": r["output_file_id"], "error_file_id": r["error_file_id"]}
-    for k in ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
-              "expired_at", "cancelling_at", "cancelled_at"):
-        obj[k] = r[k]
-    obj["request_counts"] = {"total": r["total"], "completed": r["completed"], "failed": r["failed"]}
-    obj["metadata"] = json.loads(r["metadata"]) if r["metadata"] else None
-    obj["usage"] = usage
-    # an extension beside OpenAI's fields: what the batch cost so far, at batch rates
-    obj["cost"] = {"total_usd": float(Decimal(r["cost_usd"])), "total_usd_exact": r["cost_usd"],
-                   "card": r["cost_card"]}
-    return obj

@@ -21,7 +21,8 @@ from starlette.responses import FileResponse, JSONResponse
 
 from tokenmill.batch.runner import (ENDPOINTS, BatchLimits, BatchRunner, LineError, LineOutcome,
                                     parse_window)
-from tokenmill.batch.store import BatchStore, StoreBusy, storage_error
+from tokenmill.batch.storage import StoreBusy, storage_error
+from tokenmill.batch.store import BatchStore
 from tokenmill.engine.api import EngineDeadError
 from tokenmill.server.errors import APIError, as_api_error
 from tokenmill.server.key_cache import KeyCache

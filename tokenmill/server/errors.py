@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.batch.store import StoreBusy, StoreFull
+from tokenmill.batch.storage import StoreBusy, StoreFull
 from tokenmill.engine.api import (AdmissionError, EngineBusy, EngineDeadError, EngineHungError, InvalidParameter,
                                   ModelUnavailable, UnknownModel)
 

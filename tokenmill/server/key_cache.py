@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from tokenmill.batch.store import StoreBusy
+from tokenmill.batch.storage import StoreBusy
 from tokenmill.server.keys import KeyStore, Tenant, hash_key
 
 log = logging.getLogger("tokenmill.server")

@@ -130,7 +130,7 @@ def _capture(options: ServeOptions):
     """The capture policy (None: --capture off); its store opened now, so a bad path stops the start."""
     if options.capture == "off":
         return None
-    from tokenmill.batch.store import default_data_dir
+    from tokenmill.batch.storage import default_data_dir
     from tokenmill.server.capture import CapturePolicy, CaptureStore
 
     o = options
@@ -224,7 +224,8 @@ def _policy(options: ServeOptions) -> ServicePolicy:
         raise OptionError(str(exc)) from None
     batch_store = None
     if o.batch_api:
-        from tokenmill.batch.store import BatchStore, StoreLocked, default_data_dir
+        from tokenmill.batch.storage import StoreLocked, default_data_dir
+        from tokenmill.batch.store import BatchStore
 
         try:
             batch_store = BatchStore(o.data_dir or default_data_dir(o.port))

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.batch.store import StoreBusy
+from tokenmill.batch.storage import StoreBusy
 from tokenmill.engine.api import RequestBounds
 from tokenmill.server.errors import APIError, as_api_error
 from tokenmill.server.gate import Gate

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.batch.store import storage_error
+from tokenmill.batch.storage import storage_error
 
 RETENTION_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days
 
