@@ -113,7 +113,7 @@ def _traffic(options: ServeOptions, engine: EngineClient):
     try:
         thresholds = Thresholds(options.rollout_error_margin, options.rollout_latency_margin,
                                 options.rollout_min_requests, options.rollout_min_agreement,
-                                options.rollout_promote_after)
+                                options.rollout_promote_after, success_margin=options.rollout_success_margin)
         rollouts = tuple(parse_rollout(r, served) for r in options.rollout or ())
         names = [*served, *(a.split("=", 1)[0].strip() for a in options.model_alias or ()), *(r.name for r in rollouts)]
         if len(set(names)) < len(names):

@@ -21,7 +21,9 @@ def _num(v: float | None, unit: str = "") -> str:
 
 def _arm(a: dict[str, Any]) -> str:
     return (f"{a['model']} w{a['weight']} ({a['requests']} req, {a['errors']} err; window {a['window']}: "
-            f"error rate {_num(a['window_error_rate'])}, p99 {_num(a['window_p99_latency_s'], 's')})")
+            f"error rate {_num(a['window_error_rate'])}, p99 {_num(a['window_p99_latency_s'], 's')}"
+            + (f"; checked {a['passed']}/{a['checked']} passed, window success rate "
+               f"{_num(a['window_success_rate'])}" if a.get("checked") else "") + ")")
 
 
 def _show(r: dict[str, Any]) -> None:

@@ -22,11 +22,13 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 
 from tokenmill.engine.api import ModelHost
+from tokenmill.server import answer_check
 from tokenmill.server.errors import APIError
 from tokenmill.server.keys import Tenant
 from tokenmill.server.rollouts import Arm, Observed, Rollout, RolloutMetrics, RolloutSpec, Thresholds
@@ -51,6 +53,7 @@ class Route:
     arm: Arm
     observed: Observed
     failed_over: bool = False
+    body: Any = None  # the request, when its answers carry a check of their own (answer_check.py)
 
     def headers(self) -> dict[str, str]:
         tail = "; failover" if self.failed_over else ""
@@ -98,6 +101,7 @@ class Traffic:
                  registry: CollectorRegistry, keys_on: bool):
         metrics = RolloutMetrics(registry)
         self.rollouts = {s.name: Rollout(s, config.thresholds, metrics) for s in config.rollouts}
+        self.servings = servings
         self.shadows = Shadows(list(config.shadows), servings, host, registry)
         self._checks = ({n: AgreementCheck(r) for n, r in self.rollouts.items()}
                         if config.thresholds.min_agreement is not None else {})
@@ -115,7 +119,7 @@ class Traffic:
         if rollout is not None and (allowed is None or requested in allowed):
             arm = rollout.choose(sticky_key(raw, body, self.keys_on))
             body.model = arm.model
-            ctx.route = Route(rollout, arm, observed)
+            ctx.route = Route(rollout, arm, observed, body=body if answer_check.carries_check(body) else None)
             ctx.finalizers.append(lambda _usage: self._settle(ctx.route, ctx.status_code))
             if arm is rollout.canary and requested in self._checks:
                 self.shadows.attach(ctx, self._checks[requested], body, operation, observed)
@@ -139,14 +143,21 @@ class Traffic:
             body.model = route.arm.model
             return await call()
 
-    @staticmethod
-    def _settle(route: Route, status: int) -> None:
-        """A 5xx is the arm's error; a finished answer its success; a 4xx or an answer cut
-        short (the client went away) counts for neither."""
+    def _settle(self, route: Route, status: int) -> None:
+        """A 5xx is the arm's error; a finished answer its success (and, when the request
+        carries a check, passed or failed); a 4xx or an answer cut short (the client went
+        away) counts for neither."""
         if status >= 500:
             route.rollout.record(route.arm, ok=False)
         elif status == 200 and route.observed.finished:
-            route.rollout.record(route.arm, ok=True, observed=route.observed)
+            route.rollout.record(route.arm, ok=True, observed=route.observed, passed=self._passed(route))
+
+    def _passed(self, route: Route) -> bool | None:
+        if route.body is None or not route.observed.texts:
+            return None
+        parser = getattr(self.servings["chat"].for_model(route.arm.model), "reasoning", None)
+        kind = parser.kind if parser is not None else None
+        return all(answer_check.passes(route.body, text, kind) for text in route.observed.texts.values())
 
     @staticmethod
     def headers(ctx: RequestContext | None) -> dict[str, str]:
