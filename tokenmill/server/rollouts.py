@@ -34,6 +34,7 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -73,22 +74,34 @@ class RolloutSpec:
     weights: tuple[int, int]  # (stable, canary)
 
 
-def parse_rollout(spec: str, served: list[str]) -> RolloutSpec:
-    """`NAME=STABLE:W,CANARY:W` over served model names. Raises ValueError naming what is wrong."""
+class NameTaken(ValueError):
+    """A rollout's name that a served model, an alias or another rollout already has."""
+
+
+class UnknownArm(ValueError):
+    """An arm that names no served model."""
+
+
+def parse_rollout(spec: str, served: list[str], taken: Collection[str] = ()) -> RolloutSpec:
+    """`NAME=STABLE:W,CANARY:W` over served model names; `taken`: other names in use
+    (aliases, rollouts). Raises ValueError naming what is wrong (NameTaken, UnknownArm)."""
     name, eq, rest = spec.partition("=")
     name = name.strip()
     arms = [a.strip() for a in rest.split(",")]
     if not eq or not name or len(arms) != 2:
         raise ValueError(f"--rollout takes NAME=STABLE:WEIGHT,CANARY:WEIGHT, got {spec!r}")
-    if name in served or "@" in name:
-        raise ValueError(f"--rollout: {name!r} names a served model; a rollout needs a name of its own")
+    if "@" in name:
+        raise ValueError(f"--rollout: a rollout's name cannot hold '@' (a snapshot id's), got {name!r}")
+    if name in served or name in taken:
+        raise NameTaken(f"--rollout: {name!r} names a served model, an alias or a rollout; a rollout needs a name "
+                        "of its own")
     models, weights = [], []
     for arm in arms:
         model, colon, w = arm.rpartition(":")
         if not colon or not w.isdigit() or not model:
             raise ValueError(f"--rollout: {arm!r} is not MODEL:WEIGHT (a whole number)")
         if model not in served:
-            raise ValueError(f"--rollout: {model!r} is not a served model (serving {', '.join(served)})")
+            raise UnknownArm(f"--rollout: {model!r} is not a served model (serving {', '.join(served)})")
         models.append(model)
         weights.append(int(w))
     if models[0] == models[1] or sum(weights) == 0:
@@ -193,8 +206,10 @@ class Arm:
 class Rollout:
     """One rollout's arms, weights, outcome windows and decisions."""
 
-    def __init__(self, spec: RolloutSpec, thresholds: Thresholds, metrics: RolloutMetrics):
+    def __init__(self, spec: RolloutSpec, thresholds: Thresholds, metrics: RolloutMetrics,
+                 on_change: Callable[[Rollout], None] | None = None):
         self.name, self.thresholds, self.metrics = spec.name, thresholds, metrics
+        self.on_change = on_change  # after each decision (rollout_store.py keeps it)
         self.stable = Arm(STABLE, spec.stable, spec.weights[0])
         self.canary = Arm(CANARY, spec.canary, spec.weights[1])
         self.state = "running"  # running, rolled_back, promoted
@@ -312,7 +327,17 @@ class Rollout:
         level = logging.WARNING if state == "rolled_back" else logging.INFO
         log.log(level, "rollout %s: %s by %s, weights %s -> %s%s", self.name, decision["action"], by, before,
                 decision["weights"], f"; evidence {_brief(evidence)}" if evidence else "")
+        if self.on_change is not None:
+            self.on_change(self)
         return decision
+
+    def restore(self, weights: tuple[int, int], state: str, decisions: list[dict]) -> None:
+        """The weights, state and decisions a previous run of the server left (its
+        outcome windows are not kept: a running rollout is judged afresh)."""
+        self.stable.weight, self.canary.weight = weights
+        self.state = state
+        self.decisions.extend(decisions)
+        self._show_weights()
 
     def weights(self) -> dict[str, int]:
         return {a.model: a.weight for a in self.arms}
