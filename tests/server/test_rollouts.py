@@ -521,6 +521,32 @@ def test_success_rule_needs_checked_answers_on_both_arms_and_the_margin():
     assert r.state == "running" and r.canary.summary()["passed"] == 0
 
 
+def test_kept_rollouts_follow_their_flags_arms_and_the_served_models(tmp_path):
+    """rollout_store.py through Traffic: a flag with the kept arms takes the kept state; a
+    flag with other arms starts afresh; a started rollout comes back while its models are
+    served and its name is free."""
+    from tokenmill.server.traffic import Traffic, TrafficConfig
+
+    def traffic(specs, served=("a", "b", "c")) -> Traffic:
+        config = TrafficConfig(tuple(parse_rollout(x, list(served)) for x in specs), data_dir=str(tmp_path))
+        return Traffic(config, {}, None, CollectorRegistry(), keys_on=False, served=lambda: list(served))
+
+    t = traffic(["r=a:90,b:10"])
+    t.rollouts["r"].rollback("operator")
+    t.start("s=b:1,c:3", "operator")
+    t = traffic(["r=a:90,b:10"])
+    assert t.rollouts["r"].state == "rolled_back" and t.rollouts["r"].weights() == {"a": 90, "b": 0}
+    assert t.rollouts["s"].weights() == {"b": 1, "c": 3} and t.stable_of == {"r": "a", "s": "b"}
+    assert [d["action"] for d in t.rollouts["s"].decisions] == ["start"]
+    assert set(traffic(["r=a:90,b:10"], served=("a", "b")).rollouts) == {"r"}  # c is gone: s waits
+    t = traffic(["r=a:90,c:10"])  # the flag names other arms now: the flag's rollout, from its first state
+    assert t.rollouts["r"].state == "running" and t.rollouts["r"].weights() == {"a": 90, "c": 10}
+    assert not t.rollouts["r"].decisions
+    t = traffic([])
+    assert "r" not in t.rollouts  # a rollout of a flag runs only with its flag
+    assert "s" in t.rollouts
+
+
 def test_promote_then_rollback_gives_the_stable_arm_its_traffic_back():
     r = _rollout()
     r.promote("operator")

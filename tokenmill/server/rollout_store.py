@@ -9,7 +9,8 @@ and latest decisions are written. At start:
   stays rolled back however often the server restarts with the same flags;
 - a kept rollout that was started at run time (POST /v1/rollouts) runs again when both
   its models are still served and its name is free;
-- a kept rollout whose flag now names other arms is replaced by the flag's.
+- a kept rollout whose flag now names other arms is replaced by the flag's; one whose
+  flag is gone does not run (it comes back with its flag).
 
 Outcome windows are not kept: a rollout still running is judged afresh.
 """

@@ -123,9 +123,10 @@ class Traffic:
                 log.info("rollout %s: %s with weights %s, as the last run left it", r.name, r.state, r.weights())
             else:
                 self._keep(r)
-        for name, k in kept.items():  # started at run time: again, while both models are served
-            if k.started and name not in self.rollouts and name not in self._aliases and \
-                    {k.spec.stable, k.spec.canary} <= set(served()):
+        names = set(served())
+        for name, k in kept.items():  # started at run time: again, while both models are served and its name free
+            if k.started and name not in self.rollouts and name not in self._aliases and name not in names and \
+                    {k.spec.stable, k.spec.canary} <= names:
                 self._started.add(name)
                 self._add(k.spec).restore(k.spec.weights, k.state, k.decisions)
                 log.info("rollout %s (started at run time): %s with weights %s", name, k.state,
