@@ -39,7 +39,8 @@ def test_rollouts_start_at_run_time_and_decisions_outlive_a_restart(models, tmp_
         assert r.json()["decisions"][-1]["action"] == "start"
         for bad, code in ((("new=tiny:1,twin:1"), 409), ("tiny=twin:1,other:1", 409), ("nick=twin:1,other:1", 409),
                           ("x=tiny:1,nope:1", 404), ("x=tiny:0,twin:0", 400), ("x=tiny:a,twin:1", 400),
-                          ("x=tiny:1,tiny:1", 400), ("x@1=tiny:1,twin:1", 400), ("x=tiny:1", 400), ("", 400)):
+                          ("x=tiny:1,tiny:1", 400), ("x@1=tiny:1,twin:1", 400), ("x y=tiny:1,twin:1", 400), ("x=tiny:1", 400), ("", 400),
+                          (f"x=tiny:{10 ** 7},twin:1", 400), (f"x=tiny:{'9' * 5000},twin:1", 400)):
             r = httpx.post(url, json={"rollout": bad}, timeout=10)
             assert r.status_code == code and r.json()["error"]["param"] == "rollout", (bad, r.text)
         for bad in ({"rollout": 5}, {}, {"rollout": "y=tiny:1,twin:1", "more": 1}, [1]):

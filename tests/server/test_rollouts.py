@@ -474,7 +474,8 @@ def test_raising_the_canary_weight_never_moves_a_canary_user_back():
 def test_specs_are_checked():
     served = ["a", "b"]
     assert parse_rollout("r=a:90,b:10", served) == RolloutSpec("r", "a", "b", (90, 10))
-    for bad in ("r=a:90", "r=a:90,c:10", "a=a:90,b:10", "r=a:x,b:1", "r=a:0,b:0", "r=a:1,a:1", "r", "=a:1,b:1"):
+    for bad in ("r=a:90", "r=a:90,c:10", "a=a:90,b:10", "r=a:x,b:1", "r=a:0,b:0", "r=a:1,a:1", "r", "=a:1,b:1", "r@1=a:1,b:1",
+                "r r=a:1,b:1", "-r=a:1,b:1"):
         with pytest.raises(ValueError):
             parse_rollout(bad, served)
     assert parse_shadow("r=b:0.25", ["a", "b", "r"], served).fraction == 0.25

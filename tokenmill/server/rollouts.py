@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.engine.api import RequestOutput
+from tokenmill.server.aliases import NAME
 
 log = logging.getLogger("tokenmill.server")
 STABLE, CANARY = "stable", "canary"
@@ -90,8 +91,9 @@ def parse_rollout(spec: str, served: list[str], taken: Collection[str] = ()) -> 
     arms = [a.strip() for a in rest.split(",")]
     if not eq or not name or len(arms) != 2:
         raise ValueError(f"--rollout takes NAME=STABLE:WEIGHT,CANARY:WEIGHT, got {spec!r}")
-    if "@" in name:
-        raise ValueError(f"--rollout: a rollout's name cannot hold '@' (a snapshot id's), got {name!r}")
+    if not NAME.match(name):
+        raise ValueError(f"--rollout: a rollout's name is a letter or digit, then up to 127 letters, digits or "
+                         f"'._:/-', got {name!r}")
     if name in served or name in taken:
         raise NameTaken(f"--rollout: {name!r} names a served model, an alias or a rollout; a rollout needs a name "
                         "of its own")

@@ -157,6 +157,8 @@ class Traffic:
                            code="model_not_found") from None
         except ValueError as exc:
             raise APIError(400, str(exc).removeprefix("--rollout: "), param="rollout") from None
+        if max(spec.weights) > MAX_WEIGHT:
+            raise APIError(400, f"weights are whole numbers from 0 to {MAX_WEIGHT}", param="rollout")
         self._started.add(spec.name)
         r = self._add(spec)
         r.decisions.append({"time": time.time(), "action": "start", "by": by, "weights_before": None,
