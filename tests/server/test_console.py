@@ -233,8 +233,9 @@ def test_tenant_dashboard_shows_only_itself(live, browser):
 
 
 def test_dashboard_shows_rollouts_and_their_decisions(tmp_path, browser):
-    """A server with a rollout: the admin's dashboard lists it with each arm's weight and
-    traffic, and an operator's rollback appears as its last decision; a tenant sees none."""
+    """A server with a rollout: the admin's dashboard lists it with each arm's weight,
+    traffic and checked answers, and an operator's rollback appears as its last decision;
+    a tenant sees none."""
     from tests.server.test_multimodel import TINY, make_tiny
 
     make_tiny(str(tmp_path / TINY))
@@ -250,14 +251,21 @@ def test_dashboard_shows_rollouts_and_their_decisions(tmp_path, browser):
             r = httpx.post(srv.url + "/v1/chat/completions", headers=auth, timeout=120, json={
                 "model": "ship", "user": f"u{i}", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text
+        r = httpx.post(srv.url + "/v1/chat/completions", headers=auth, timeout=120, json={  # its answer is checked
+            "model": "ship", "user": "u0", "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+                "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                "additionalProperties": False}}}})
+        assert r.status_code == 200, r.text
         p.set_key(admin)
         p.page.click("#tab-dashboard")
         row = p.page.locator("#rollouts tr[data-rollout='ship']")
+        expect(row).to_contain_text("of 1 checked passed")
         expect(row).to_contain_text(f"{TINY}: weight 70")
         expect(row).to_contain_text("tiny-canary: weight 30")
         expect(row).to_contain_text("running")
         served = sum(int(m) for m in re.findall(r"(\d+) req", row.text_content() or ""))
-        assert served == 4
+        assert served == 5
         r = httpx.post(srv.url + "/v1/rollouts/ship", headers=auth, json={"action": "rollback"}, timeout=30)
         assert r.status_code == 200, r.text
         expect(row).to_contain_text("rollback by operator")

@@ -46,7 +46,8 @@ EXEMPT: dict[tuple[str, str], str] = {
 }
 ADMIN_ROUTES = {("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
                 ("POST", "/v1/models/{model:path}/load"), ("POST", "/v1/models/{model:path}/unload"),
-                ("GET", "/v1/rollouts"), ("GET", "/v1/rollouts/{name:path}"), ("POST", "/v1/rollouts/{name:path}")}
+                ("GET", "/v1/rollouts"), ("GET", "/v1/rollouts/{name:path}"), ("POST", "/v1/rollouts/{name:path}"),
+                ("POST", "/v1/rollouts")}
 CANARY = "tiny-canary"  # a second tiny model: the rollout's canary arm
 ROLLOUT = f"ship={TINY}:90,{CANARY}:10"  # a rollout, so that its operator routes exist
 WORDS = ("limit", "after", "order", "purpose", "window", "before", "model", "")
@@ -243,6 +244,11 @@ def calls(w: World, route: tuple[str, str], phase: str) -> st.SearchStrategy[Cal
                       st.integers(0, 100)),
             st.sampled_from([{"json": {"action": "promote"}}, {"json": {"action": "rollback"}}])) if pos else body(
             {"weights": st.dictionaries(TEXT, st.integers() | st.floats() | TEXT, max_size=3), "action": TEXT})
+    elif route == ("POST", "/v1/rollouts"):  # a name taken before is a 409, as it should be
+        kwargs = st.builds(lambda name, a, b: {"json": {"rollout": f"fz-{name}={TINY}:{a},{CANARY}:{b}"}},
+                           st.from_regex(r"[a-z0-9]{1,12}", fullmatch=True), st.integers(1, 100),
+                           st.integers(0, 100)) if pos else body(
+            {"rollout": TEXT | st.builds(lambda n, a, b: f"{n}={a},{b}", TEXT, TEXT, TEXT)})
     elif template.startswith("/v1/models/"):
         kwargs = st.sampled_from([{}, {"json": {"keep_alive": "5m"}}, {"json": {"keep_alive": 60}}]) if pos \
             else body({"keep_alive": TEXT | st.integers() | st.floats()})
@@ -306,6 +312,7 @@ FUZZED = sorted({
     ("POST", "/v1/models/{model:path}/load"), ("POST", "/v1/models/{model:path}/unload"),
     ("POST", "/rerank"),
     ("GET", "/v1/rollouts"), ("GET", "/v1/rollouts/{name:path}"), ("POST", "/v1/rollouts/{name:path}"),
+    ("POST", "/v1/rollouts"),
 })
 
 

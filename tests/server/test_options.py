@@ -119,7 +119,8 @@ def test_both_commands_take_their_flags_from_the_fields():
                                    "autotune_interval", "autotune_hold", "lora", "max_loras", "max_lora_rank",
                                    "models_dir", "preload", "memory_budget", "keep_alive", "model_queue",
                                    "rollout", "shadow", "rollout_error_margin", "rollout_latency_margin",
-                                   "rollout_min_requests", "rollout_min_agreement", "rollout_promote_after"}
+                                   "rollout_min_requests", "rollout_min_agreement", "rollout_promote_after",
+                                   "rollout_success_margin"}
     assert set(cluster) - shared == {"replicas", "min_replicas", "max_replicas", "target_ongoing",
                                      "scale_down_delay", "routing", "imbalance", "address"}
     for name in shared:  # one definition: same flags, default and help in both

@@ -1,12 +1,15 @@
 """Canary rollouts and shadows (tokenmill/server/traffic.py, rollouts.py, shadow.py) on a
-real server with four tiny models made here: `tiny`, its byte-identical `twin`, `other`
-(other random weights) and `broken` (its weights cut short: it fails to load). The split
-by weight, stickiness, the operator's routes, the automatic rollback of a broken canary
-(no client request failing), and shadows that compare without touching the answers."""
+real server with five tiny models made here: `tiny`, its byte-identical `twin`, `other`
+(other random weights), `broken` (its weights cut short: it fails to load) and `short`
+(tiny's weights, whose generation_config.json stops every answer after 2 tokens). The
+split by weight, stickiness, the operator's routes, the automatic rollback of a broken
+canary (no client request failing) and of a canary whose answers fail their requests'
+checks, and shadows that compare without touching the answers."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -32,7 +35,7 @@ N_SPLIT = 200
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout-models")
-    paths = {name: str(root / name) for name in ("tiny", "twin", "other", "broken")}
+    paths = {name: str(root / name) for name in ("tiny", "twin", "other", "broken", "short")}
     ref = make_tiny(paths["tiny"])
     shutil.copytree(paths["tiny"], paths["twin"])
     make_tiny(paths["other"], seed=1)
@@ -40,6 +43,12 @@ def models(tmp_path_factory):
     weights = os.path.join(paths["broken"], "model.safetensors")
     with open(weights, "r+b") as f:  # its header intact, its tensors cut short: fails at load, not before
         f.truncate(os.path.getsize(weights) // 2)
+    shutil.copytree(paths["tiny"], paths["short"])
+    config = os.path.join(paths["short"], "generation_config.json")
+    with open(config) as f:
+        generation = json.load(f)
+    with open(config, "w") as f:  # its answers end after 2 tokens when a request sets no limit
+        json.dump({**generation, "max_new_tokens": 2}, f)
     return paths, ref
 
 
@@ -52,6 +61,8 @@ def server(models):
                         "--dtype", "float32", "--max-num-seqs", "16",
                         "--rollout", "split=tiny:70,twin:30", "--rollout", "bad=tiny:50,broken:50",
                         "--rollout", "worse=tiny:50,other:50", "--rollout-min-agreement", "0.5",
+                        "--rollout", "cut=tiny:50,short:50", "--rollout", "checked=tiny:50,twin:50",
+                        "--rollout-success-margin", "0.2",
                         "--shadow", "tiny=twin:1", "--shadow", "other=tiny", "--rollout-min-requests", "5",
                         "--rollout-latency-margin", "100").wait_ready()
     yield srv
@@ -198,6 +209,65 @@ def test_a_canary_that_answers_otherwise_is_rolled_back_on_agreement(server):
     assert metric(server, 'tokenmill_rollout_agreement_total{result="differ",rollout="worse"}') >= 3
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+def checked_request(client, model: str, i: int):
+    """A sampled chat request (no agreement check: that is for greedy answers) whose answer
+    carries a check: a json_schema. No max_tokens: each model's own default limit applies.
+    (Forced tool calls are checked the same way, tests/server/test_answer_check.py; a random
+    model's calls here would not finish: the call grammar lets it write whitespace at will.)"""
+    return client.chat.completions.create(
+        model=model, user=f"{model}-{i}", temperature=1.0, seed=i, messages=[{"role": "user", "content": "hi"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+
+
+def test_a_canary_whose_answers_fail_their_checks_is_rolled_back_on_success(server):
+    """`short` (answers cut after 2 tokens) as the canary of `tiny`: every JSON answer it writes
+    is unfinished, so its checked answers fail while tiny's pass; the
+    rollout falls back on the success rule with no request failing."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for i in range(80):
+        r = checked_request(client, "cut", i)
+        if r.model == "tiny":  # the stable arm's answers are whole and valid
+            assert json.loads(r.choices[0].message.content) in ({"ok": True}, {"ok": False})
+        else:
+            assert r.model == "short" and r.choices[0].finish_reason == "length"
+        if status(server, "cut")["state"] != "running":
+            break
+    st = status(server, "cut")
+    assert st["state"] == "rolled_back" and st["canary"]["weight"] == 0, st
+    evidence = st["decisions"][-1]["evidence"]
+    assert evidence["rule"] == "success_rate" and evidence["success_margin"] == 0.2
+    c, s = evidence["canary"], evidence["stable"]
+    assert c["window_success_rate"] == 0.0 and s["window_success_rate"] == 1.0
+    assert min(c["window_checked"], s["window_checked"]) >= 5 and c["window_error_rate"] == 0.0
+    assert st["canary"]["checked"] == c["window_checked"] and st["canary"]["passed"] == 0
+    assert metric(server, 'tokenmill_rollout_checks_total{arm="canary",result="fail",rollout="cut"}') == c["checked"]
+    assert metric(server, 'tokenmill_rollout_checks_total{arm="canary",result="pass",rollout="cut"}') == 0
+
+
+def test_a_canary_whose_answers_pass_their_checks_keeps_running(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for i in range(60):
+        checked_request(client, "checked", i)
+        st = status(server, "checked")
+        if min(st["stable"]["window_checked"], st["canary"]["window_checked"]) >= 6:
+            break
+    assert st["state"] == "running" and not st["decisions"], st
+    for arm in ("stable", "canary"):
+        assert st[arm]["window_success_rate"] == 1.0 and st[arm]["passed"] == st[arm]["checked"] >= 6
+    unchecked = client.chat.completions.create(model="checked", user="checked-0", max_tokens=2,
+                                               messages=[{"role": "user", "content": "hi"}])
+    assert unchecked.model in ("tiny", "twin")  # a request with no check of its own is not counted as one
+    after = status(server, "checked")
+    assert sum(after[a]["checked"] for a in ("stable", "canary")) == sum(st[a]["checked"] for a in ("stable", "canary"))
+    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "rollout", "status", "checked", "--base-url",
+                          server.url], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and f"checked {st['canary']['checked']}/{st['canary']['checked']} passed" in out.stdout
+
+
 def _shadow(server, name: str) -> dict:
     return next(s for s in status(server)["shadows"] if s["id"] == name)
 
@@ -281,6 +351,12 @@ def test_keys_stickiness_per_key_allowed_names_and_admin_routes(models, tmp_path
         r = httpx.post(url + "/r", json={"action": "rollback"}, headers={"authorization": f"Bearer {keys[0]}"},
                        timeout=10)
         assert r.status_code == 403
+        r = httpx.post(url, json={"rollout": "s=tiny:1,twin:1"}, headers={"authorization": f"Bearer {keys[0]}"},
+                       timeout=10)
+        assert r.status_code == 403 and "s" not in {m["id"] for m in ask_models(srv, admin)}
+        r = httpx.post(url, json={"rollout": "s=tiny:1,twin:1"}, headers={"authorization": f"Bearer {admin}"},
+                       timeout=10)
+        assert r.status_code == 200 and "s" in {m["id"] for m in ask_models(srv, admin)}
         r = httpx.get(url, headers={"authorization": f"Bearer {admin}"}, timeout=10)
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "r"
     finally:
@@ -296,6 +372,10 @@ def test_a_bad_rollout_or_shadow_stops_the_start_with_one_line(models):
         with pytest.raises(RuntimeError, match="exited early") as e:
             srv.wait_ready(timeout=60)
         assert message in str(e.value) and "Traceback" not in str(e.value)
+
+
+def ask_models(srv, key: str) -> list[dict]:
+    return httpx.get(srv.url + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=10).json()["data"]
 
 
 # -- the rollout's decisions, fed by hand -----------------------------------------------------
@@ -350,6 +430,29 @@ def test_agreement_rolls_back_and_a_healthy_canary_is_promoted():
     assert r.decisions[-1]["by"] == "auto" and r.decisions[-1]["evidence"]["rule"] == "healthy"
 
 
+def test_success_rule_needs_checked_answers_on_both_arms_and_the_margin():
+    r = _rollout(success_margin=0.1)
+    for i in range(10):
+        r.record(r.stable, True, _outcome(0.1), passed=True)
+        r.record(r.canary, True, _outcome(0.1))  # unchecked: nothing to compare
+    assert r.state == "running" and r.canary.summary()["window_checked"] == 0
+    for i in range(10):
+        r.record(r.canary, True, _outcome(0.1), passed=i != 0)  # 90%: 10 points below, not more
+    assert r.state == "running"
+    r.record(r.canary, False, passed=False)  # an error is not a checked answer
+    assert r.canary.summary()["window_checked"] == 10
+    r.record(r.canary, True, _outcome(0.1), passed=False)  # 9 of 11 now: 18 points below
+    assert r.state == "rolled_back"
+    evidence = r.decisions[-1]["evidence"]
+    assert evidence["rule"] == "success_rate" and evidence["canary"]["window_success_rate"] == pytest.approx(9 / 11)
+    assert evidence["stable"]["window_success_rate"] == 1.0
+    r = _rollout()  # no success margin: the same answers judge nothing
+    for i in range(10):
+        r.record(r.stable, True, _outcome(0.1), passed=True)
+        r.record(r.canary, True, _outcome(0.1), passed=False)
+    assert r.state == "running" and r.canary.summary()["passed"] == 0
+
+
 def test_promote_then_rollback_gives_the_stable_arm_its_traffic_back():
     r = _rollout()
     r.promote("operator")
@@ -371,7 +474,8 @@ def test_raising_the_canary_weight_never_moves_a_canary_user_back():
 def test_specs_are_checked():
     served = ["a", "b"]
     assert parse_rollout("r=a:90,b:10", served) == RolloutSpec("r", "a", "b", (90, 10))
-    for bad in ("r=a:90", "r=a:90,c:10", "a=a:90,b:10", "r=a:x,b:1", "r=a:0,b:0", "r=a:1,a:1", "r", "=a:1,b:1"):
+    for bad in ("r=a:90", "r=a:90,c:10", "a=a:90,b:10", "r=a:x,b:1", "r=a:0,b:0", "r=a:1,a:1", "r", "=a:1,b:1", "r@1=a:1,b:1",
+                "r r=a:1,b:1", "-r=a:1,b:1"):
         with pytest.raises(ValueError):
             parse_rollout(bad, served)
     assert parse_shadow("r=b:0.25", ["a", "b", "r"], served).fraction == 0.25
@@ -379,6 +483,7 @@ def test_specs_are_checked():
         with pytest.raises(ValueError):
             parse_shadow(bad, ["a", "b", "r"], served)
     for bad in (dict(min_agreement=2.0), dict(min_agreement=0.0), dict(error_margin=1.0), dict(min_requests=0),
-                dict(min_requests=501), dict(latency_margin=-0.1), dict(promote_after=-1)):
+                dict(min_requests=501), dict(latency_margin=-0.1), dict(promote_after=-1), dict(success_margin=1.0),
+                dict(success_margin=-0.1)):
         with pytest.raises(ValueError):
             Thresholds(**bad)

@@ -77,19 +77,28 @@ def _same(expected: Any, got: Any) -> bool:
     return False
 
 
-def check_json(task: Task, text: str) -> Verdict:
+def schema_error(schema: dict[str, Any], value: Any) -> str | None:
+    """Why `value` does not validate against the JSON Schema (its draft as it declares),
+    or None when it does. Also the server's check of answers to a json_schema or a tool."""
     import jsonschema
 
+    errors = jsonschema.validators.validator_for(schema)(schema).iter_errors(value)
+    first = jsonschema.exceptions.best_match(errors)
+    if first is None:
+        return None
+    where = "/".join(str(p) for p in first.path) or "the value"
+    return f"{where}: {first.message[:160]}"
+
+
+def check_json(task: Task, text: str) -> Verdict:
     assert task.schema is not None and task.expected is not None
     try:
         value = extract_json(text)
     except ValueError as exc:
         return Verdict(False, str(exc))
-    errors = jsonschema.validators.validator_for(task.schema)(task.schema).iter_errors(value)
-    first = jsonschema.exceptions.best_match(errors)
-    if first is not None:
-        where = "/".join(str(p) for p in first.path) or "the value"
-        return Verdict(False, f"schema: {where}: {first.message[:160]}")
+    error = schema_error(task.schema, value)
+    if error is not None:
+        return Verdict(False, f"schema: {error}")
     if not isinstance(value, dict):
         return Verdict(False, "the JSON is not an object")
     wrong = [k for k, v in task.expected.items() if k not in value or not _same(v, value[k])]

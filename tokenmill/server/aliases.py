@@ -15,7 +15,7 @@ from email.utils import formatdate
 from tokenmill.engine.api import split_snapshot_id
 
 _DATED = re.compile(r"^(?P<target>.+)@(?P<date>\d{4}-\d{2}-\d{2})$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # an alias's or a rollout's
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def parse_alias(spec: str, served: str) -> ModelAlias:
     name, rest = name.strip(), rest.strip()
     if not eq or not name or not rest:
         raise ValueError(f"--model-alias takes NAME=TARGET[@YYYY-MM-DD], got {spec!r}")
-    if not _NAME.match(name) or "@" in name:
+    if not NAME.match(name) or "@" in name:
         raise ValueError(f"--model-alias: {name!r} is not a model name (letters, digits, . _ : / -)")
     sunset = None
     m = _DATED.match(rest)

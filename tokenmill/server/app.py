@@ -136,19 +136,19 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
     if snapshot is not None and config.chat_template is not None:  # the template this server renders
         snapshot = snapshot.replace(chat_template=text_digest(config.chat_template))
     aliases = {a.name: a for a in config.aliases}
-    for family in (chat.siblings, completion.siblings):
-        for name, serving in family.items():
-            serving.snapshot = snapshot if name == model_name else engine.served(name).snapshot
-            serving.aliases = aliases
-            if config.traffic is not None:
-                serving.rollouts = {r.name: r.stable for r in config.traffic.rollouts}
-    capture = policy.capture
     traffic = None
     if config.traffic is not None:
         from tokenmill.server.traffic import Traffic
 
         traffic = Traffic(config.traffic, {"chat": chat, "text_completion": completion}, host, metrics.registry,
-                          keys_on=policy.keys is not None)
+                          keys_on=policy.keys is not None, served=engine.model_names, aliases=aliases)
+    for family in (chat.siblings, completion.siblings):
+        for name, serving in family.items():
+            serving.snapshot = snapshot if name == model_name else engine.served(name).snapshot
+            serving.aliases = aliases
+            if traffic is not None:  # one map for all: a rollout started at run time reaches every serving
+                serving.rollouts = traffic.stable_of
+    capture = policy.capture
 
     runner = None
     if policy.batch_store is not None:

@@ -102,8 +102,9 @@ def _aliases(options: ServeOptions, engine: EngineClient) -> tuple:
 
 
 def _traffic(options: ServeOptions, engine: EngineClient):
-    """The rollouts and shadows (None: none), checked against the served models."""
-    if not options.rollout and not options.shadow:
+    """The rollouts and shadows, checked against the served models (None: none, and none
+    can be started: the server serves one model)."""
+    if not options.rollout and not options.shadow and len(engine.model_names()) < 2:
         return None
     from tokenmill.server.rollouts import Thresholds, parse_rollout
     from tokenmill.server.shadow import parse_shadow
@@ -113,7 +114,7 @@ def _traffic(options: ServeOptions, engine: EngineClient):
     try:
         thresholds = Thresholds(options.rollout_error_margin, options.rollout_latency_margin,
                                 options.rollout_min_requests, options.rollout_min_agreement,
-                                options.rollout_promote_after)
+                                options.rollout_promote_after, success_margin=options.rollout_success_margin)
         rollouts = tuple(parse_rollout(r, served) for r in options.rollout or ())
         names = [*served, *(a.split("=", 1)[0].strip() for a in options.model_alias or ()), *(r.name for r in rollouts)]
         if len(set(names)) < len(names):
@@ -123,7 +124,7 @@ def _traffic(options: ServeOptions, engine: EngineClient):
             raise ValueError("one --shadow per name")
     except ValueError as exc:
         raise OptionError(str(exc)) from None
-    return TrafficConfig(rollouts, shadows, thresholds)
+    return TrafficConfig(rollouts, shadows, thresholds, data_dir=options.data_dir)
 
 
 def _capture(options: ServeOptions):

@@ -201,6 +201,10 @@ class ServeOptions:
     rollout_min_agreement: float | None = option(
         None, "--rollout-min-agreement", "...or fewer of its greedy answers than this share match the stable "
         "model's on the same request (each checked after the answer; default: unchecked).", only="serve")
+    rollout_success_margin: float | None = option(
+        None, "--rollout-success-margin", "...or the share of its answers that pass their request's own check (a "
+        "json_schema response_format, a forced tool call) is below the stable arm's by more than this (default: "
+        "unchecked).", only="serve")
     rollout_promote_after: int = option(0, "--rollout-promote-after", "Promote a canary still healthy after this "
                                         "many requests (0: only by hand).", only="serve")
     capture: str = option("off", "--capture",

@@ -1,5 +1,5 @@
-"""`tokenmill rollout status|set|promote|abort`: a running server's rollouts and shadows
-(serve --rollout, --shadow) from a terminal, through its HTTP routes (/v1/rollouts)."""
+"""`tokenmill rollout start|status|set|promote|abort`: a running server's rollouts and
+shadows (serve --rollout, --shadow) from a terminal, through its HTTP routes (/v1/rollouts)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,17 @@ def _num(v: float | None, unit: str = "") -> str:
 
 def _arm(a: dict[str, Any]) -> str:
     return (f"{a['model']} w{a['weight']} ({a['requests']} req, {a['errors']} err; window {a['window']}: "
-            f"error rate {_num(a['window_error_rate'])}, p99 {_num(a['window_p99_latency_s'], 's')})")
+            f"error rate {_num(a['window_error_rate'])}, p99 {_num(a['window_p99_latency_s'], 's')}"
+            + (f"; checked {a['passed']}/{a['checked']} passed, window success rate "
+               f"{_num(a['window_success_rate'])}" if a.get("checked") else "") + ")")
 
 
 def _show(r: dict[str, Any]) -> None:
     typer.echo(f"{r['id']}  {r['state']}  stable {_arm(r['stable'])}  canary {_arm(r['canary'])}")
     for d in r["decisions"][-3:]:
         ev = d.get("evidence") or {}
-        typer.echo(f"  {d['action']} by {d['by']}: {d['weights_before']} -> {d['weights']}"
+        before = "" if d["weights_before"] is None else f"{d['weights_before']} -> "
+        typer.echo(f"  {d['action']} by {d['by']}: {before}{d['weights']}"
                    + (f" ({ev['rule']})" if ev else ""))
 
 
@@ -54,6 +57,17 @@ def status(name: Optional[str] = typer.Argument(None, help="One rollout (default
 def _post(url: str, api_key: Optional[str], name: str, body: dict) -> None:
     d = _Client(url, api_key).call("POST", f"/rollouts/{name}", json=body).json()
     typer.echo(f"{name}: {d['action']}, weights {d['weights_before']} -> {d['weights']}")
+
+
+@rollout_app.command("start")
+def start(spec: str = typer.Argument(..., help="NAME=STABLE:WEIGHT,CANARY:WEIGHT over two served models, as "
+                                               "serve --rollout takes it."),
+          url: str = typer.Option(DEFAULT_URL, "--base-url", help=URL_HELP),
+          api_key: Optional[str] = typer.Option(None, "--api-key", help=KEY_HELP)) -> None:
+    """A new rollout on the running server, judged by its thresholds from now on."""
+    r = _Client(url, api_key).call("POST", "/rollouts", json={"rollout": spec}).json()
+    typer.echo(f"{r['id']}: started, weights {r['stable']['model']}={r['stable']['weight']} "
+               f"{r['canary']['model']}={r['canary']['weight']}")
 
 
 @rollout_app.command("set")

@@ -16,8 +16,11 @@ canary's share away when it does worse than the stable arm.
   (absolute: 0.05 is five points), or its p99 latency over successful requests exceeds
   the stable arm's times 1 + `latency_margin`, or (with `min_agreement`) fewer than that
   share of its greedy answers match, token for token, what the stable model answers to
-  the same request (run after the answer, as a shadow: shadow.py). The decision and
-  its evidence are logged and kept (GET /v1/rollouts).
+  the same request (run after the answer, as a shadow: shadow.py), or (with
+  `success_margin`) the share of its checked answers that pass their request's own
+  check (a json_schema, a forced tool call: answer_check.py) is below the stable arm's by
+  more than that margin. The decision and its evidence are logged and kept (GET
+  /v1/rollouts).
 - Promotion (with `promote_after`): once the canary holds that many outcomes (and, with
   `min_agreement`, `min_requests` agreement checks) and no rule fires, it takes all the
   traffic.
@@ -31,11 +34,13 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.engine.api import RequestOutput
+from tokenmill.server.aliases import NAME
 
 log = logging.getLogger("tokenmill.server")
 STABLE, CANARY = "stable", "canary"
@@ -51,13 +56,15 @@ class Thresholds:
     min_agreement: float | None = None  # greedy canary answers that must match the stable model's (None: unchecked)
     promote_after: int = 0  # canary outcomes after which a healthy canary is promoted (0: never by itself)
     window: int = 500  # the latest outcomes per arm that are compared
+    success_margin: float | None = None  # stable success rate - canary's that rolls it back (None: unchecked)
 
     def __post_init__(self) -> None:
         if not (0 <= self.error_margin < 1 and self.latency_margin >= 0 and 1 <= self.min_requests <= self.window
-                and (self.min_agreement is None or 0 < self.min_agreement <= 1) and self.promote_after >= 0):
+                and (self.min_agreement is None or 0 < self.min_agreement <= 1) and self.promote_after >= 0
+                and (self.success_margin is None or 0 <= self.success_margin < 1)):
             raise ValueError("--rollout-error-margin must be in [0, 1), --rollout-latency-margin 0 or more, "
-                             f"--rollout-min-requests 1 to {self.window}, --rollout-min-agreement in (0, 1] and "
-                             "--rollout-promote-after 0 or more")
+                             f"--rollout-min-requests 1 to {self.window}, --rollout-min-agreement in (0, 1], "
+                             "--rollout-promote-after 0 or more and --rollout-success-margin in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -68,22 +75,35 @@ class RolloutSpec:
     weights: tuple[int, int]  # (stable, canary)
 
 
-def parse_rollout(spec: str, served: list[str]) -> RolloutSpec:
-    """`NAME=STABLE:W,CANARY:W` over served model names. Raises ValueError naming what is wrong."""
+class NameTaken(ValueError):
+    """A rollout's name that a served model, an alias or another rollout already has."""
+
+
+class UnknownArm(ValueError):
+    """An arm that names no served model."""
+
+
+def parse_rollout(spec: str, served: list[str], taken: Collection[str] = ()) -> RolloutSpec:
+    """`NAME=STABLE:W,CANARY:W` over served model names; `taken`: other names in use
+    (aliases, rollouts). Raises ValueError naming what is wrong (NameTaken, UnknownArm)."""
     name, eq, rest = spec.partition("=")
     name = name.strip()
     arms = [a.strip() for a in rest.split(",")]
     if not eq or not name or len(arms) != 2:
         raise ValueError(f"--rollout takes NAME=STABLE:WEIGHT,CANARY:WEIGHT, got {spec!r}")
-    if name in served or "@" in name:
-        raise ValueError(f"--rollout: {name!r} names a served model; a rollout needs a name of its own")
+    if not NAME.match(name):
+        raise ValueError(f"--rollout: a rollout's name is a letter or digit, then up to 127 letters, digits or "
+                         f"'._:/-', got {name!r}")
+    if name in served or name in taken:
+        raise NameTaken(f"--rollout: {name!r} names a served model, an alias or a rollout; a rollout needs a name "
+                        "of its own")
     models, weights = [], []
     for arm in arms:
         model, colon, w = arm.rpartition(":")
         if not colon or not w.isdigit() or not model:
             raise ValueError(f"--rollout: {arm!r} is not MODEL:WEIGHT (a whole number)")
         if model not in served:
-            raise ValueError(f"--rollout: {model!r} is not a served model (serving {', '.join(served)})")
+            raise UnknownArm(f"--rollout: {model!r} is not a served model (serving {', '.join(served)})")
         models.append(model)
         weights.append(int(w))
     if models[0] == models[1] or sum(weights) == 0:
@@ -112,11 +132,14 @@ class Observed:
     def __init__(self, base: str):
         self.base = base
         self.tokens: dict[tuple[str, int], list[int]] = {}
+        self.texts: dict[tuple[str, int], str] = {}  # each sample's text as the engine wrote it
         self.finished = 0
         self.arrival = self.first_token = self.last = None
 
     def observe(self, out: RequestOutput) -> None:
-        self.tokens.setdefault((out.request_id.removeprefix(self.base), out.index), []).extend(out.new_token_ids)
+        key = (out.request_id.removeprefix(self.base), out.index)
+        self.tokens.setdefault(key, []).extend(out.new_token_ids)
+        self.texts[key] = self.texts.get(key, "") + out.text
         t = out.times
         if not out.finished or t is None:
             return
@@ -155,6 +178,9 @@ class RolloutMetrics:
         self.promotions = Counter("tokenmill_rollout_promotions", "Automatic promotions.", ["rollout"], registry=r)
         self.agreement = Counter("tokenmill_rollout_agreement", "Greedy canary answers checked against the stable "
                                  "model's: match or differ.", ["rollout", "result"], registry=r)
+        self.checks = Counter("tokenmill_rollout_checks", "Answers checked by their request's own check (a "
+                              "json_schema, a forced tool call) by arm: pass or fail.", ["rollout", "arm", "result"],
+                              registry=r)
 
 
 @dataclass
@@ -163,23 +189,29 @@ class Arm:
     model: str
     weight: int
     window: deque = field(default_factory=deque)  # (ok, latency or None), the latest outcomes
+    checks: deque = field(default_factory=deque)  # passed?, the latest checked answers (answer_check.py)
     ok: int = 0
     errors: int = 0
+    checked: int = 0
+    passed: int = 0
 
     def summary(self) -> dict:
-        n = len(self.window)
+        n, m = len(self.window), len(self.checks)
         errs = sum(1 for ok, _ in self.window if not ok)
         lats = [lat for ok, lat in self.window if ok and lat is not None]
         return {"model": self.model, "weight": self.weight, "requests": self.ok + self.errors, "errors": self.errors,
                 "window": n, "window_error_rate": errs / n if n else None,
-                "window_p99_latency_s": p99(lats) if lats else None}
+                "window_p99_latency_s": p99(lats) if lats else None, "checked": self.checked, "passed": self.passed,
+                "window_checked": m, "window_success_rate": sum(self.checks) / m if m else None}
 
 
 class Rollout:
     """One rollout's arms, weights, outcome windows and decisions."""
 
-    def __init__(self, spec: RolloutSpec, thresholds: Thresholds, metrics: RolloutMetrics):
+    def __init__(self, spec: RolloutSpec, thresholds: Thresholds, metrics: RolloutMetrics,
+                 on_change: Callable[[Rollout], None] | None = None):
         self.name, self.thresholds, self.metrics = spec.name, thresholds, metrics
+        self.on_change = on_change  # after each decision (rollout_store.py keeps it)
         self.stable = Arm(STABLE, spec.stable, spec.weights[0])
         self.canary = Arm(CANARY, spec.canary, spec.weights[1])
         self.state = "running"  # running, rolled_back, promoted
@@ -196,11 +228,19 @@ class Rollout:
         assert total > 0, "weights are never both 0"
         return self.canary if bucket(self.name, key) < self.canary.weight / total else self.stable
 
-    def record(self, arm: Arm, ok: bool, observed: Observed | None = None) -> None:
+    def record(self, arm: Arm, ok: bool, observed: Observed | None = None, passed: bool | None = None) -> None:
+        """One outcome; `passed`: a successful answer's own check (None: it carried none)."""
         latency = observed.latency if observed is not None else None
         arm.window.append((ok, latency))
         while len(arm.window) > self.thresholds.window:
             arm.window.popleft()
+        if ok and passed is not None:
+            arm.checks.append(passed)
+            while len(arm.checks) > self.thresholds.window:
+                arm.checks.popleft()
+            arm.checked += 1
+            arm.passed += passed
+            self.metrics.checks.labels(self.name, arm.role, "pass" if passed else "fail").inc()
         if ok:
             arm.ok += 1
         else:
@@ -243,6 +283,9 @@ class Rollout:
         lats = [[lat for ok, lat in a.window if ok and lat is not None] for a in self.arms]
         if min(map(len, lats)) >= t.min_requests and p99(lats[1]) > p99(lats[0]) * (1 + t.latency_margin):
             return {"rule": "p99_latency", **evidence}
+        if t.success_margin is not None and min(s["window_checked"], c["window_checked"]) >= t.min_requests and \
+                s["window_success_rate"] - c["window_success_rate"] > t.success_margin:
+            return {"rule": "success_rate", **evidence}
         checked = len(self.agreement) >= t.min_requests
         if t.min_agreement is not None and checked and evidence["agreement"]["rate"] < t.min_agreement:
             return {"rule": "agreement", **evidence}
@@ -276,6 +319,7 @@ class Rollout:
         if state == "running":
             for a in self.arms:
                 a.window.clear()
+                a.checks.clear()
             self.agreement.clear()
         self.state = state
         self._show_weights()
@@ -285,7 +329,17 @@ class Rollout:
         level = logging.WARNING if state == "rolled_back" else logging.INFO
         log.log(level, "rollout %s: %s by %s, weights %s -> %s%s", self.name, decision["action"], by, before,
                 decision["weights"], f"; evidence {_brief(evidence)}" if evidence else "")
+        if self.on_change is not None:
+            self.on_change(self)
         return decision
+
+    def restore(self, weights: tuple[int, int], state: str, decisions: list[dict]) -> None:
+        """The weights, state and decisions a previous run of the server left (its
+        outcome windows are not kept: a running rollout is judged afresh)."""
+        self.stable.weight, self.canary.weight = weights
+        self.state = state
+        self.decisions.extend(decisions)
+        self._show_weights()
 
     def weights(self) -> dict[str, int]:
         return {a.model: a.weight for a in self.arms}
@@ -307,5 +361,6 @@ def _brief(evidence: dict) -> str:
         return "n/a" if v is None else f"{v:.3f}"
     return (f"{evidence['rule']}: error rate {fmt(c['window_error_rate'])} vs {fmt(s['window_error_rate'])}, p99 "
             f"{fmt(c['window_p99_latency_s'])}s vs {fmt(s['window_p99_latency_s'])}s over {c['window']} and "
-            f"{s['window']} requests (canary vs stable); agreement {fmt(evidence['agreement']['rate'])} over "
-            f"{evidence['agreement']['checked']}")
+            f"{s['window']} requests (canary vs stable); success {fmt(c['window_success_rate'])} vs "
+            f"{fmt(s['window_success_rate'])} over {c['window_checked']} and {s['window_checked']} checked; "
+            f"agreement {fmt(evidence['agreement']['rate'])} over {evidence['agreement']['checked']}")

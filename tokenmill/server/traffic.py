@@ -10,9 +10,11 @@ queue is full, its engine is gone) is counted against the canary and answered by
 stable arm: a broken candidate never fails a client request.
 
 The operator's routes (an admin key's, when keys are on): GET /v1/rollouts (every
-rollout and shadow, with their figures and decisions), GET /v1/rollouts/{name}, and
-POST /v1/rollouts/{name} with {"weights": {MODEL: W, MODEL: W}} or {"action":
-"promote" | "rollback"}.
+rollout and shadow, with their figures and decisions), GET /v1/rollouts/{name},
+POST /v1/rollouts {"rollout": "NAME=STABLE:W,CANARY:W"} (a new rollout, as the flag
+writes it) and POST /v1/rollouts/{name} with {"weights": {MODEL: W, MODEL: W}} or
+{"action": "promote" | "rollback"}. With a data directory every decision is kept
+(rollout_store.py) and outlives a restart.
 """
 
 from __future__ import annotations
@@ -20,16 +22,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 
 from tokenmill.engine.api import ModelHost
+from tokenmill.server import answer_check
 from tokenmill.server.errors import APIError
 from tokenmill.server.keys import Tenant
-from tokenmill.server.rollouts import Arm, Observed, Rollout, RolloutMetrics, RolloutSpec, Thresholds
+from tokenmill.server.rollout_store import RolloutStore
+from tokenmill.server.rollouts import (Arm, NameTaken, Observed, Rollout, RolloutMetrics, RolloutSpec, Thresholds,
+                                       UnknownArm, parse_rollout)
 from tokenmill.server.serving import BaseServing, RequestContext
 from tokenmill.server.shadow import Shadows, ShadowSpec
 
@@ -42,6 +49,7 @@ class TrafficConfig:
     rollouts: tuple[RolloutSpec, ...] = ()
     shadows: tuple[ShadowSpec, ...] = ()
     thresholds: Thresholds = field(default_factory=Thresholds)
+    data_dir: str | None = None  # where decisions are kept across restarts (None: in memory only)
 
 
 @dataclass
@@ -51,6 +59,7 @@ class Route:
     arm: Arm
     observed: Observed
     failed_over: bool = False
+    body: Any = None  # the request, when its answers carry a check of their own (answer_check.py)
 
     def headers(self) -> dict[str, str]:
         tail = "; failover" if self.failed_over else ""
@@ -95,13 +104,68 @@ def sticky_key(raw: Request, body, keys_on: bool) -> str | None:
 
 class Traffic:
     def __init__(self, config: TrafficConfig, servings: dict[str, BaseServing], host: ModelHost | None,
-                 registry: CollectorRegistry, keys_on: bool):
-        metrics = RolloutMetrics(registry)
-        self.rollouts = {s.name: Rollout(s, config.thresholds, metrics) for s in config.rollouts}
-        self.shadows = Shadows(list(config.shadows), servings, host, registry)
-        self._checks = ({n: AgreementCheck(r) for n, r in self.rollouts.items()}
-                        if config.thresholds.min_agreement is not None else {})
+                 registry: CollectorRegistry, keys_on: bool, served: Callable[[], list[str]],
+                 aliases: Collection[str] = ()):
+        self._metrics, self._thresholds = RolloutMetrics(registry), config.thresholds
+        self._served, self._aliases = served, set(aliases)
+        self.rollouts: dict[str, Rollout] = {}
+        self.stable_of: dict[str, str] = {}  # a rollout's name -> its stable model (each serving reads it)
+        self._checks: dict[str, AgreementCheck] = {}
+        self._started: set[str] = set()  # rollouts started at run time, not by a flag
+        self.servings = servings
         self.keys_on = keys_on
+        self._store = RolloutStore(config.data_dir) if config.data_dir is not None else None
+        kept = self._store.load() if self._store is not None else {}
+        for spec in config.rollouts:
+            r, k = self._add(spec), kept.get(spec.name)
+            if k is not None and (k.spec.stable, k.spec.canary) == (spec.stable, spec.canary):
+                r.restore(k.spec.weights, k.state, k.decisions)
+                log.info("rollout %s: %s with weights %s, as the last run left it", r.name, r.state, r.weights())
+            else:
+                self._keep(r)
+        names = set(served())
+        for name, k in kept.items():  # started at run time: again, while both models are served and its name free
+            if k.started and name not in self.rollouts and name not in self._aliases and name not in names and \
+                    {k.spec.stable, k.spec.canary} <= names:
+                self._started.add(name)
+                self._add(k.spec).restore(k.spec.weights, k.state, k.decisions)
+                log.info("rollout %s (started at run time): %s with weights %s", name, k.state,
+                         self.rollouts[name].weights())
+        self.shadows = Shadows(list(config.shadows), servings, host, registry)
+
+    def _add(self, spec: RolloutSpec) -> Rollout:
+        r = Rollout(spec, self._thresholds, self._metrics, on_change=self._keep)
+        self.rollouts[spec.name] = r
+        self.stable_of[spec.name] = spec.stable
+        if self._thresholds.min_agreement is not None:
+            self._checks[spec.name] = AgreementCheck(r)
+        return r
+
+    def _keep(self, rollout: Rollout) -> None:
+        if self._store is not None:
+            self._store.save(rollout, started=rollout.name in self._started)
+
+    def start(self, spec_text: str, by: str) -> Rollout:
+        """A new rollout at run time, from the flag's text; raises APIError: 409 for a
+        name in use, 404 for an arm that is not served, 400 for the rest."""
+        try:
+            spec = parse_rollout(spec_text, self._served(), taken={*self._aliases, *self.rollouts})
+        except NameTaken as exc:
+            raise APIError(409, str(exc).removeprefix("--rollout: "), param="rollout", code="name_taken") from None
+        except UnknownArm as exc:
+            raise APIError(404, str(exc).removeprefix("--rollout: "), param="rollout",
+                           code="model_not_found") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc).removeprefix("--rollout: "), param="rollout") from None
+        if max(spec.weights) > MAX_WEIGHT:
+            raise APIError(400, f"weights are whole numbers from 0 to {MAX_WEIGHT}", param="rollout")
+        self._started.add(spec.name)
+        r = self._add(spec)
+        r.decisions.append({"time": time.time(), "action": "start", "by": by, "weights_before": None,
+                            "weights": r.weights(), "evidence": None})
+        log.info("rollout %s: started by %s, %s", r.name, by, r.weights())
+        self._keep(r)
+        return r
 
     def enter(self, ctx: RequestContext, raw: Request, body, operation: str) -> None:
         """At admission: place a request for a rollout on an arm, and offer it to its shadow."""
@@ -115,7 +179,7 @@ class Traffic:
         if rollout is not None and (allowed is None or requested in allowed):
             arm = rollout.choose(sticky_key(raw, body, self.keys_on))
             body.model = arm.model
-            ctx.route = Route(rollout, arm, observed)
+            ctx.route = Route(rollout, arm, observed, body=body if answer_check.carries_check(body) else None)
             ctx.finalizers.append(lambda _usage: self._settle(ctx.route, ctx.status_code))
             if arm is rollout.canary and requested in self._checks:
                 self.shadows.attach(ctx, self._checks[requested], body, operation, observed)
@@ -139,14 +203,21 @@ class Traffic:
             body.model = route.arm.model
             return await call()
 
-    @staticmethod
-    def _settle(route: Route, status: int) -> None:
-        """A 5xx is the arm's error; a finished answer its success; a 4xx or an answer cut
-        short (the client went away) counts for neither."""
+    def _settle(self, route: Route, status: int) -> None:
+        """A 5xx is the arm's error; a finished answer its success (and, when the request
+        carries a check, passed or failed); a 4xx or an answer cut short (the client went
+        away) counts for neither."""
         if status >= 500:
             route.rollout.record(route.arm, ok=False)
         elif status == 200 and route.observed.finished:
-            route.rollout.record(route.arm, ok=True, observed=route.observed)
+            route.rollout.record(route.arm, ok=True, observed=route.observed, passed=self._passed(route))
+
+    def _passed(self, route: Route) -> bool | None:
+        if route.body is None or not route.observed.texts:
+            return None
+        parser = getattr(self.servings["chat"].for_model(route.arm.model), "reasoning", None)
+        kind = parser.kind if parser is not None else None
+        return all(answer_check.passes(route.body, text, kind) for text in route.observed.texts.values())
 
     @staticmethod
     def headers(ctx: RequestContext | None) -> dict[str, str]:
@@ -163,6 +234,8 @@ class Traffic:
 
     async def stop(self) -> None:
         await self.shadows.stop()
+        if self._store is not None:
+            self._store.close()
 
     def add_routes(self, app: FastAPI) -> None:
         def check(raw: Request, name: str | None = None) -> Rollout | None:
@@ -182,6 +255,14 @@ class Traffic:
         async def rollouts(raw: Request) -> dict:
             check(raw)
             return self.status()
+
+        @app.post("/v1/rollouts")
+        async def start(raw: Request) -> dict:
+            check(raw)
+            body = await _json_object(raw)
+            if set(body) != {"rollout"} or not isinstance(body["rollout"], str):
+                raise APIError(400, 'send {"rollout": "NAME=STABLE:WEIGHT,CANARY:WEIGHT"}', param="rollout")
+            return self.start(body["rollout"], "operator").status()
 
         @app.get("/v1/rollouts/{name:path}")
         async def rollout(name: str, raw: Request) -> dict:

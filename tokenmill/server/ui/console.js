@@ -325,12 +325,14 @@ function renderModels(models) {
   document.querySelector("#models tbody").replaceChildren(...rows);
 }
 
-// Rollouts (an admin's view, served with --rollout): each arm's weight, requests and
-// errors, and the last decision with who took it and why.
+// Rollouts (an admin's view, served with --rollout): each arm's weight, requests,
+// errors and checked answers, and the last decision with who took it and why.
 function renderRollouts(rollouts) {
   $("rollouts-title").hidden = !rollouts || !rollouts.length;
   $("rollouts").hidden = $("rollouts-title").hidden;
-  const arm = (a) => `${a.model}: weight ${fmtInt(a.weight)} · ${fmtInt(a.requests)} req · ${fmtInt(a.errors)} err`;
+  // success: of the answers whose request carried a check of its own (a json_schema, a forced tool call)
+  const arm = (a) => `${a.model}: weight ${fmtInt(a.weight)} · ${fmtInt(a.requests)} req · ${fmtInt(a.errors)} err` +
+    (a.checked ? ` · ${fmtInt(a.passed)} of ${fmtInt(a.checked)} checked passed` : "");
   const rows = (rollouts || []).map((r) => {
     const tr = document.createElement("tr");
     tr.dataset.rollout = r.id;
