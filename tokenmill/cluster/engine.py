@@ -77,6 +77,7 @@ class ClusterEngine(EngineFront):
                          model_snapshot(config, info, defaults))
         self.config = config
         self.options = options
+        self.app = APP  # the Ray Serve application of its replicas (ClusterModels names one per model)
         self.handle = None
         self._started_ray = False
         self._pumps: dict[str, asyncio.Task] = {}
@@ -135,7 +136,7 @@ class ClusterEngine(EngineFront):
         else:
             scaling = {"num_replicas": o.replicas}
             what = f"{o.replicas} replica{'s' if o.replicas != 1 else ''}"
-        say(f"cluster: deploying {what} of {self.model_config.name}, {o.routing} routing; each "
+        say(f"cluster: deploying {what} of {self.name}, {o.routing} routing; each "
             "loads the model (prepared weights come from the on-disk cache when warm)")
         deployment = serve.deployment(EngineReplica, name=DEPLOYMENT).options(
             max_ongoing_requests=o.max_ongoing,
@@ -149,9 +150,13 @@ class ClusterEngine(EngineFront):
             health_check_period_s=2.0, health_check_timeout_s=10.0,
             graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=o.drain_s,
             **scaling)
+        config = self.config
+        if config.cache.kv_disk_dir and self.app != APP:  # one of several models: its KV blocks apart
+            config = dataclasses.replace(config, cache=dataclasses.replace(
+                config.cache, kv_disk_dir=os.path.join(config.cache.kv_disk_dir, self.app)))
         t0 = time.monotonic()
-        serve.run(deployment.bind(self.config, o.log_format), name=APP, route_prefix=None, blocking=False)
-        self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=APP)
+        serve.run(deployment.bind(config, o.log_format), name=self.app, route_prefix=None, blocking=False)
+        self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=self.app)
         say(f"cluster: replicas ready in {time.monotonic() - t0:.1f} s")
 
     async def stop(self) -> None:
@@ -170,7 +175,7 @@ class ClusterEngine(EngineFront):
         if not ray.is_initialized():
             return
         try:
-            serve.delete(APP)
+            serve.delete(self.app)
             if self._started_ray:
                 serve.shutdown()
         finally:
@@ -219,10 +224,14 @@ class ClusterEngine(EngineFront):
         raise ValueError("knobs cannot be tuned across a cluster yet; tune each replica's options at deploy")
 
     # -- stats --------------------------------------------------------------------------
-    def _poll(self) -> None:
+    def _routers(self) -> list:
+        """This application's routers (another model's application has its own)."""
         from tokenmill.cluster.ray_router import LIVE
 
-        routers = list(LIVE)
+        return [r for r in list(LIVE) if r.app_name == self.app]
+
+    def _poll(self) -> None:
+        routers = self._routers()
         if not routers:
             return  # Ray builds the handle's router at its first call
         reports: dict[str, dict[str, Any]] = {}
@@ -247,10 +256,8 @@ class ClusterEngine(EngineFront):
         return {rid: dict(r) for rid, r in sorted(self._replicas.items())}
 
     def router_decisions(self) -> dict[str, int]:
-        from tokenmill.cluster.ray_router import LIVE
-
         total: dict[str, int] = {}
-        for router in list(LIVE):
+        for router in self._routers():
             for k, v in router.router.decisions.items():
                 total[k] = total.get(k, 0) + v
         return total

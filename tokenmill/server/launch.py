@@ -254,7 +254,7 @@ def _engine(options: ServeOptions) -> EngineClient:
 
     try:
         if options.several_models:
-            return _models(options)
+            return _cluster_models(options) if options.cluster else _models(options)
         config = options.engine_config()
         for name, path in config.lora.adapters:
             if not os.path.exists(path):
@@ -275,14 +275,22 @@ def _models(options: ServeOptions) -> EngineClient:
                        max_waiting=o.model_queue, preload=o.preload)
 
 
-def _cluster_engine(options: ServeOptions, config: EngineConfig) -> EngineClient:
+def _cluster_models(options: ServeOptions) -> EngineClient:
+    """Several models behind the cluster's ingress: each its own Ray Serve application."""
+    from tokenmill.cluster.models import ClusterModels
+
+    configs = options.engine_configs()
+    return ClusterModels([_cluster_engine(options, config, len(configs)) for config in configs])
+
+
+def _cluster_engine(options: ServeOptions, config: EngineConfig, models: int = 1) -> EngineClient:
     if importlib.util.find_spec("ray") is None:
         raise OptionError("cluster serving needs Ray Serve: pip install 'tokenmill[cluster]'")
     from tokenmill.cluster.engine import ClusterEngine, ClusterOptions
 
     o = options
     if config.num_threads is None:  # the cores shared out, not every replica on all of them
-        share = (os.cpu_count() or 1) // (o.replica_count or o.max_replicas)
+        share = (os.cpu_count() or 1) // ((o.replica_count or o.max_replicas) * models)
         config = dataclasses.replace(config, num_threads=max(1, share))
     return ClusterEngine(config, ClusterOptions(
         replicas=o.replica_count, min_replicas=o.min_replicas, max_replicas=o.max_replicas,

@@ -64,7 +64,8 @@ def option(default, flags: str, help: str | None = None, only: str | None = None
 @dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     model: list[str] | None = option(None, "--model", MODEL_HELP + " Repeat it to serve several models (the "
-                                     "first is the default); each loads on its first request (see --preload).")
+                                     "first is the default): serve loads each on its first request (see "
+                                     "--preload); cluster serve deploys each as replicas of its own.")
     models_dir: str | None = option(None, "--models-dir", "Serve every model in this folder too (each GGUF file "
                                                           "and Hugging Face folder in it), loaded on demand.",
                                     only="serve")
@@ -347,9 +348,6 @@ class ServeOptions:
             raise OptionError("--model-queue must be at least 1")
         if not self.several_models:
             return
-        if self.cluster:
-            raise OptionError("cluster serve runs one model (every replica holds it, for prefix-affinity routing); "
-                              "serve several models with `tokenmill serve --model A --model B`")
         if self.engine_mode != "process":
             raise OptionError("several models run each in its own engine process: drop --engine thread")
         if self.served_model_name is not None:
@@ -450,7 +448,11 @@ class ServeOptions:
         return LoraConfig(tuple(adapters), max_loras, self.max_lora_rank)
 
 
+# traffic control (rollouts, shadows) runs at the ingress, the same code under both commands
+INGRESS = ("rollout", "shadow")
+
+
 def cli_fields(command: str) -> list[dataclasses.Field]:
     """The fields that are options of `command` ("serve" or "cluster"), in help order."""
     return [f for f in dataclasses.fields(ServeOptions)
-            if "flags" in f.metadata and f.metadata["only"] in (None, command)]
+            if "flags" in f.metadata and (f.metadata["only"] in (None, command) or f.name.startswith(INGRESS))]
