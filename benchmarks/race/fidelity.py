@@ -6,8 +6,9 @@ GGUF, against the exact mode (float32, no quantization: logits equal transformer
                                        [--prompts N] [--quick]
 
 The prompts are benchmarks/data/fidelity_prompts.jsonl (64 chat prompts written for this),
-rendered with the model's chat template into token ids once, so every engine reads the
-same ids. For each mode it prints the exact-match rate (answers whose text equals the
+rendered with the model's chat template once, so every engine reads the same text (a base
+model without a chat template, such as Gemma 3 270M: as `Question: ...` / `Answer:` text to
+complete). For each mode it prints the exact-match rate (answers whose text equals the
 exact mode's) and the mean agreed prefix (the share of the exact answer's characters
 before the first difference). llama-server gets the ids through /completion with
 temperature 0 (its greedy path); it is built by `python -m benchmarks.race.peers
@@ -65,15 +66,17 @@ class Answers:
         return same, sum(shares) / len(shares)
 
 
-def prompt_ids(gguf: str) -> list[list[int]]:
+def prompt_ids(gguf: str) -> list[str]:
     _, tok = load_metadata(gguf)
     assert tok is not None
     with open(PROMPTS, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    if tok.chat_template is None:  # a base model: the question as text to complete
+        return [f"Question: {r['messages'][-1]['content']}\nAnswer:" for r in rows]
     return [tok.apply_chat_template(r["messages"]) for r in rows]
 
 
-def run_mode(name: str, gguf: str, ids: list[list[int]], max_tokens: int) -> Answers:
+def run_mode(name: str, gguf: str, ids: list[str], max_tokens: int) -> Answers:
     dtype, quant, kv = MODES[name]
     t0 = time.perf_counter()
     llm = LLM(load_model(gguf, dtype, quant),
@@ -89,7 +92,7 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def run_llama_server(binary: Path, gguf: str, ids: list[list[int]], max_tokens: int, threads: int) -> Answers:
+def run_llama_server(binary: Path, gguf: str, ids: list[str], max_tokens: int, threads: int) -> Answers:
     port = free_port()
     cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
            "--threads-batch", str(threads), "--ctx-size", "4096", "--parallel", "1"]
