@@ -79,6 +79,10 @@ BARE = [  # what models without the tags write (Qwen2.5-Coder: a fenced JSON cal
     ('Use this:\n```python\nadd(1, 2)\n```', 'Use this:\n```python\nadd(1, 2)\n```', []),
     ('```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```\nand more', None, []),  # not only the fence
     ('Plain answer, no JSON.', 'Plain answer, no JSON.', []),
+    # not JSON (Python's loader takes them; 26e770 would come back out as Infinity): not a call
+    ('{"name": "add", "arguments": {"a": 1, "b": 26e770}}', None, []),
+    ('```json\n{"name": "add", "arguments": {"a": NaN, "b": 2}}\n```', None, []),
+    ('[{"name": "add", "arguments": {"a": -Infinity, "b": 2}}]', None, []),
 ]
 
 
@@ -94,6 +98,17 @@ def test_bare_and_fenced_calls_parse_whole_and_streamed_alike(text, content, cal
         streamed = "".join(parts) + rest
         assert [(c.name, c.arguments) for c in scalls] == [(c.name, c.arguments) for c in got], size
         assert (streamed.strip() or None) == (got_content.strip() if got_content else None), size
+
+
+def test_a_tagged_call_with_numbers_json_has_not_is_no_call():
+    """Qwen2.5-Coder took Codex's output header `Chunk ID: 26e770` for a session id and
+    wrote it as a number: Python reads it as infinity, whose arguments would go out as
+    `Infinity`, which Codex cannot parse. The arguments that go out are always JSON."""
+    by_name = T.check_tools(TOOLS, "auto")
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 26e770}}\n</tool_call>'
+    assert T.parse_calls(text, by_name) == (text, [])
+    _, calls = T.parse_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2.5e3}}\n</tool_call>', by_name)
+    assert [json.loads(c.arguments) for c in calls] == [{"a": 1, "b": 2500.0}]  # an exponent in range is fine
 
 
 def test_render_messages_puts_tools_in_the_system_prompt():

@@ -43,6 +43,7 @@ object it encodes (the templates write it with `tojson`).
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -275,7 +276,7 @@ def bare_calls(text: str, by_name: dict[str, dict[str, Any]]) -> list[ToolCall]:
             return []
         body = body[newline + 1:]
     try:
-        return _calls_of(json.loads(body), by_name)
+        return _calls_of(_STRICT.decode(body), by_name)
     except ValueError:
         return []
 
@@ -288,10 +289,28 @@ def _calls_of(obj: Any, by_name: dict[str, dict[str, Any]]) -> list[ToolCall]:
 
 def _one_call(body: str, by_name: dict[str, dict[str, Any]]) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        obj = _STRICT.decode(body)
     except ValueError:
         return None
     return _call_from(obj, by_name)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):
+        raise ValueError(f"{text} is out of a double's range")
+    return value
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+# JSON as RFC 8259 has it. Python's loader also takes NaN and Infinity, and reads a number
+# past a double's range (a model's `26e770`: a hex id taken for a number) as infinity,
+# which json.dumps then writes as `Infinity`: arguments no client can parse (Codex CLI:
+# "failed to parse function arguments"). A reply holding such values is not a call.
+_STRICT = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
 
 
 def _call_from(obj: Any, by_name: dict[str, dict[str, Any]]) -> ToolCall | None:
@@ -382,7 +401,7 @@ class StreamParser:
         if not body.rstrip().endswith(("}", "]")):  # only a closing bracket can end the JSON
             return True
         try:
-            obj, end = json.JSONDecoder().raw_decode(body)
+            obj, end = _STRICT.raw_decode(body)
         except ValueError:
             return True  # unfinished (or broken: the end decides)
         return not body[end:].strip() and bool(_calls_of(obj, self.by_name))
