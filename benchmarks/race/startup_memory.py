@@ -1,6 +1,6 @@
 """Cold start and resident memory, tokenmill against llama-server on the same GGUF.
 
-    python -m benchmarks.race.startup_memory [--rounds 3] [--tokens 32768] [--quick]
+    python -m benchmarks.race.startup_memory [--rounds 3] [--tokens 32768] [--quick] [--model gemma3-270m]
 
 Each round starts each server in turn (interleaved) and measures the seconds from the
 command to its readiness path answering 200 (polled every 50 ms), then sends 16 requests
@@ -62,11 +62,12 @@ def run_one(cmd: list[str], ready_path: str, requests: int = 16) -> tuple[float,
             time.sleep(0.05)
         ready = time.perf_counter() - t0
         model = httpx.get(base + "/v1/models", timeout=5, trust_env=False).json()["data"][0]["id"]
-        body = {"model": model, "messages": [{"role": "user", "content": "Write a short story about a lighthouse."}],
-                "max_tokens": 64, "temperature": 0}
+        # a completion, not chat: a base model (Gemma 3 270M) has no chat template
+        body = {"model": model, "prompt": "Write a short story about a lighthouse.", "max_tokens": 64,
+                "temperature": 0}
 
         def one(_):
-            return httpx.post(base + "/v1/chat/completions", json=body, timeout=120, trust_env=False).status_code
+            return httpx.post(base + "/v1/completions", json=body, timeout=120, trust_env=False).status_code
 
         with concurrent.futures.ThreadPoolExecutor(requests) as ex:
             codes = list(ex.map(one, range(requests)))
@@ -88,16 +89,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--quick", action="store_true", help="smoke run: tokenmill alone, one round, 2,048 KV "
                                                          "tokens, 4 requests")
+    ap.add_argument("--model", default=None, help="an installed model's name or a GGUF file (default: the "
+                                                  "embedded one)")
     args = ap.parse_args()
     requests = 4 if args.quick else 16
     if args.quick:
         args.rounds, args.tokens = 1, 2048
-    gguf = default_model_path()
+    if args.model is not None:
+        from tokenmill.model.registry import resolve
+
+        gguf = resolve(args.model)
+    else:
+        gguf = default_model_path()
     cfg, _ = load_metadata(gguf)
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V
     kv_gb = args.tokens * per_token / 1024 ** 3
     servers = {
-        "tokenmill": (serve_cmd("--kv-cache-gb", f"{kv_gb:.4f}"), "/ready"),
+        "tokenmill": (serve_cmd("--model", gguf, "--kv-cache-gb", f"{kv_gb:.4f}"), "/ready"),
     }
     if args.quick:
         print("(--quick: tokenmill alone)")
