@@ -55,13 +55,14 @@ def tiny_encoder(folder: Path, pooling: str = "mean", vocab_size: int = 120, **c
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_tiny_encoder_matches_transformers(tmp_path, pooling):
-    """Inputs of mixed lengths in one flat batch: each one's token states are BertModel's
-    for it alone, and its vector the pooled, normalized state."""
+    """Inputs of mixed and repeated lengths in one flat batch: each one's token states are
+    BertModel's for it alone, and its vector the pooled, normalized state."""
     ref = tiny_encoder(tmp_path, pooling)
     ours = load_encoder(str(tmp_path))
     assert ours.cfg.pooling == pooling and ours.cfg.normalize and ours.cfg.max_seq_length == 40
     g = torch.Generator().manual_seed(1)
-    inputs = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (1, 7, 40, 13)]
+    # lengths repeated and interleaved: the inputs of one length attend as one batch
+    inputs = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (1, 7, 40, 13, 7, 40, 7)]
     vecs = ours.embed(inputs)
     cu = [0]
     for ids in inputs:

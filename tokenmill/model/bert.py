@@ -4,9 +4,9 @@ Pooling -> Normalize).
 
 The batch is flat and unpadded, as the decoder's: `input_ids[T]` of several inputs
 back to back, `cu[S + 1]` their offsets. Every linear layer runs over all T rows at
-once; attention runs per input (a loop per sequence, S of them), each input seeing all
-of its own tokens and none of another's, so no padding is computed and an input's
-vector does not depend on what it is batched with beyond matmul rounding.
+once; attention runs per length (the inputs of one length as one batch), each input
+seeing all of its own tokens and none of another's, so no padding is computed and an
+input's vector does not depend on what it is batched with beyond matmul rounding.
 """
 
 from __future__ import annotations
@@ -76,13 +76,19 @@ class BertEncoder:
         positions = torch.cat([torch.arange(cu[s + 1] - cu[s]) for s in range(len(cu) - 1)])
         x = self._ln(self.word[input_ids] + self.pos[positions] + self.type0, self.emb_ln)
         H, D = cfg.num_heads, cfg.head_dim
+        # inputs of one length attend as one batch (one call a layer, not one per input)
+        by_length: dict[int, list[int]] = {}
+        for s in range(len(cu) - 1):
+            by_length.setdefault(cu[s + 1] - cu[s], []).append(cu[s])
+        groups = [(n, torch.cat([torch.arange(a, a + n) for a in starts])) for n, starts in by_length.items()]
         for layer in self.layers:
             qkv = F.linear(x, *layer["qkv"])  # [T, 3 * hidden]
             attn = torch.empty_like(x)
-            for s in range(len(cu) - 1):
-                a, b = cu[s], cu[s + 1]
-                q, k, v = qkv[a:b].view(b - a, 3, H, D).permute(1, 2, 0, 3)  # 3 x [H, L, D]
-                attn[a:b] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(b - a, H * D)
+            for n, rows in groups:
+                b = rows.numel() // n
+                q, k, v = qkv.index_select(0, rows).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # 3 x [b, H, n, D]
+                out = F.scaled_dot_product_attention(q, k, v)  # [b, H, n, D]
+                attn.index_copy_(0, rows, out.permute(0, 2, 1, 3).reshape(b * n, H * D))
             x = self._ln(x + F.linear(attn, *layer["out"]), layer["ln1"])
             x = self._ln(x + F.linear(F.gelu(F.linear(x, *layer["up"])), *layer["down"]), layer["ln2"])
         return x
