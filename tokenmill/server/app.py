@@ -146,8 +146,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None,
         for name, serving in family.items():
             serving.snapshot = snapshot if name == model_name else engine.served(name).snapshot
             serving.aliases = aliases
-            if traffic is not None:  # one map for all: a rollout started at run time reaches every serving
-                serving.rollouts = traffic.stable_of
+            if traffic is not None:
+                serving.rollout_stable = traffic.stable_model
     capture = policy.capture
 
     runner = None

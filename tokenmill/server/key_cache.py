@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from tokenmill.batch.storage import StoreBusy
+from tokenmill.batch.storage import StoreBusy, storage_error
 from tokenmill.server.keys import KeyStore, Tenant, hash_key
 
 log = logging.getLogger("tokenmill.server")
@@ -123,14 +123,11 @@ class KeyCache:
             raise StoreBusy("the API keys database is locked by another process; retry shortly")
         try:
             out = fn(*args)
-        except sqlite3.OperationalError as exc:
-            text = str(exc).lower()
-            if "locked" in text or "busy" in text:
+        except sqlite3.DatabaseError as exc:  # locked, or corrupt or not a database: refused, not a 500
+            err = storage_error(exc, "the API keys store")
+            if isinstance(err, StoreBusy):
                 self._locked_at = time.monotonic()
-                raise StoreBusy("the API keys database is locked by another process; retry shortly") from None
-            log.error("the API keys database cannot be read: %s", exc)
-            raise StoreBusy(f"the API keys database cannot be read ({exc})") from None
-        except sqlite3.DatabaseError as exc:  # corrupt or not a database: refused, not a 500
+                raise err from None
             log.error("the API keys database cannot be read: %s", exc)
             raise StoreBusy(f"the API keys database cannot be read ({exc})") from None
         self._locked_at = None

@@ -132,14 +132,18 @@ class Observed:
     def __init__(self, base: str):
         self.base = base
         self.tokens: dict[tuple[str, int], list[int]] = {}
-        self.texts: dict[tuple[str, int], str] = {}  # each sample's text as the engine wrote it
+        self._chunks: dict[tuple[str, int], list[str]] = {}  # each sample's text as the engine wrote it
         self.finished = 0
         self.arrival = self.first_token = self.last = None
+
+    @property
+    def texts(self) -> dict[tuple[str, int], str]:
+        return {key: "".join(chunks) for key, chunks in self._chunks.items()}
 
     def observe(self, out: RequestOutput) -> None:
         key = (out.request_id.removeprefix(self.base), out.index)
         self.tokens.setdefault(key, []).extend(out.new_token_ids)
-        self.texts[key] = self.texts.get(key, "") + out.text
+        self._chunks.setdefault(key, []).append(out.text)
         t = out.times
         if not out.finished or t is None:
             return
@@ -188,8 +192,8 @@ class Arm:
     role: str  # stable or canary
     model: str
     weight: int
-    window: deque = field(default_factory=deque)  # (ok, latency or None), the latest outcomes
-    checks: deque = field(default_factory=deque)  # passed?, the latest checked answers (answer_check.py)
+    window: deque  # (ok, latency or None), the latest outcomes (bounded: Thresholds.window)
+    checks: deque  # passed?, the latest checked answers (answer_check.py), bounded alike
     ok: int = 0
     errors: int = 0
     checked: int = 0
@@ -212,8 +216,9 @@ class Rollout:
                  on_change: Callable[[Rollout], None] | None = None):
         self.name, self.thresholds, self.metrics = spec.name, thresholds, metrics
         self.on_change = on_change  # after each decision (rollout_store.py keeps it)
-        self.stable = Arm(STABLE, spec.stable, spec.weights[0])
-        self.canary = Arm(CANARY, spec.canary, spec.weights[1])
+        n = thresholds.window
+        self.stable = Arm(STABLE, spec.stable, spec.weights[0], deque(maxlen=n), deque(maxlen=n))
+        self.canary = Arm(CANARY, spec.canary, spec.weights[1], deque(maxlen=n), deque(maxlen=n))
         self.state = "running"  # running, rolled_back, promoted
         self.decisions: deque[dict] = deque(maxlen=_DECISIONS_KEPT)
         self.agreement: deque[bool] = deque(maxlen=thresholds.window)  # canary answers == the stable model's?
@@ -232,12 +237,8 @@ class Rollout:
         """One outcome; `passed`: a successful answer's own check (None: it carried none)."""
         latency = observed.latency if observed is not None else None
         arm.window.append((ok, latency))
-        while len(arm.window) > self.thresholds.window:
-            arm.window.popleft()
         if ok and passed is not None:
             arm.checks.append(passed)
-            while len(arm.checks) > self.thresholds.window:
-                arm.checks.popleft()
             arm.checked += 1
             arm.passed += passed
             self.metrics.checks.labels(self.name, arm.role, "pass" if passed else "fail").inc()

@@ -113,7 +113,8 @@ class BaseServing:
         # the engine's snapshot, with the server's own chat template when it has one (build_app)
         self.snapshot: Snapshot | None = engine.served(model_name).snapshot
         self.aliases: dict[str, Any] = {}  # name -> tokenmill.server.aliases.ModelAlias
-        self.rollouts: dict[str, str] = {}  # a rollout's name -> its stable model (traffic.py places requests)
+        # a rollout's name -> its stable model, None for another name (Traffic.stable_model)
+        self.rollout_stable: Callable[[str | None], str | None] = lambda name: None
         self.siblings: dict[str, BaseServing] = {model_name: self}  # one per model the engine serves
         self._host = engine if isinstance(engine, ModelHost) else None  # models loaded on demand
         self._token_strs: dict[int, str] = {}  # logprobs name tokens; a vocabulary's worth at most
@@ -127,7 +128,7 @@ class BaseServing:
         adapter from here on."""
         alias = self.aliases.get(model) if model is not None else None
         # a rollout's name the ingress did not place (a dialect's early check, tokenize) is its stable model
-        target = alias.target if alias is not None else self.rollouts.get(model, model)
+        target = alias.target if alias is not None else (self.rollout_stable(model) or model)
         name, pin = split_snapshot_id(target) if target is not None else (None, None)
         allowed = getattr(ctx.limits, "allowed_models", None) if ctx is not None else None
         try:

@@ -109,7 +109,6 @@ class Traffic:
         self._metrics, self._thresholds = RolloutMetrics(registry), config.thresholds
         self._served, self._aliases = served, set(aliases)
         self.rollouts: dict[str, Rollout] = {}
-        self.stable_of: dict[str, str] = {}  # a rollout's name -> its stable model (each serving reads it)
         self._checks: dict[str, AgreementCheck] = {}
         self._started: set[str] = set()  # rollouts started at run time, not by a flag
         self.servings = servings
@@ -136,10 +135,20 @@ class Traffic:
     def _add(self, spec: RolloutSpec) -> Rollout:
         r = Rollout(spec, self._thresholds, self._metrics, on_change=self._keep)
         self.rollouts[spec.name] = r
-        self.stable_of[spec.name] = spec.stable
         if self._thresholds.min_agreement is not None:
             self._checks[spec.name] = AgreementCheck(r)
         return r
+
+    @property
+    def stable_of(self) -> dict[str, str]:
+        """A rollout's name -> its stable model."""
+        return {name: r.stable.model for name, r in self.rollouts.items()}
+
+    def stable_model(self, name: str | None) -> str | None:
+        """The stable model of the rollout `name`, None if it names none (each serving
+        asks: a rollout started at run time reaches them all)."""
+        r = self.rollouts.get(name) if name is not None else None
+        return r.stable.model if r is not None else None
 
     def _keep(self, rollout: Rollout) -> None:
         if self._store is not None:
