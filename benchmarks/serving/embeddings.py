@@ -5,7 +5,10 @@
   all-minilm-l6-v2`), each its own server;
 - sentence-transformers on the encoder (in this process, no HTTP: its own `encode`, the
   ceiling a Python client gets), taking turns with each encoder server round by round, so
-  a busy machine's swings hit both alike;
+  a busy machine's swings hit both alike; and, where `python -m benchmarks.serving.st_onnx
+  --install` has put ONNX Runtime in .peers/st-onnx, its pipeline with the transformer run
+  by ONNX Runtime (its fastest CPU format; benchmarks/serving/st_onnx.py says why by hand),
+  checked against `encode` (cosine >= 0.9999) before it is timed;
 - llama-server `--embedding` on the same decoder GGUF, where benchmarks/race/peers.py has
   built it (`.peers/llama-server/bin/llama-server`; it is not built here).
 
@@ -30,6 +33,7 @@ import time
 import httpx
 
 from benchmarks.servers import ROOT, RunningServer, ServerSpec, serve_cmd
+from benchmarks.serving import st_onnx
 
 TOKENS = 128
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
@@ -130,6 +134,20 @@ def main() -> None:
     def st_embed(inp) -> None:
         st.encode([inp] if isinstance(inp, str) else inp, batch_size=32)
 
+    peers = {st_name: st_embed}
+    if st_onnx.available():
+        ort_encode = st_onnx.encoder(st, str(encoder), ROOT / "bench-results" / "embeddings" / "onnx",
+                                     torch.get_num_threads())
+        sample = texts["encoder"][:32]
+        cos = (ort_encode(sample) * st.encode(sample, batch_size=32)).sum(1).min()
+        if cos < 0.9999:
+            raise SystemExit(f"ONNX Runtime's vectors differ from sentence-transformers' (cosine {cos:.6f})")
+        peers[f"sentence-transformers' pipeline on ONNX Runtime {st_onnx.PACKAGES[0].split('==')[1]} "
+              f"(in-process, {torch.get_num_threads()} threads)"] = lambda inp: ort_encode(
+                  [inp] if isinstance(inp, str) else inp)
+    else:
+        print(f"ONNX Runtime: not installed in {st_onnx.SITE} (python -m benchmarks.serving.st_onnx --install)")
+
     budget = ("--max-num-batched-tokens", str(args.max_num_batched_tokens))
     results: dict[str, dict[str, float]] = {}
     log_dir = ROOT / "bench-results" / "embeddings"
@@ -143,7 +161,7 @@ def main() -> None:
                                                                     trust_env=False) as client:
                 contenders = {label: http_embed(client, served_name(srv.base_url))}
                 if kind == "encoder":  # taking turns with the server, in the same minutes
-                    contenders[f"{st_name}, beside the {mode} engine"] = st_embed
+                    contenders.update({f"{name}, beside the {mode} engine": f for name, f in peers.items()})
                 t = texts[kind]
                 got = measure(contenders, t[32:], t[:32], args.rounds, args.reps)
             results.update(got)

@@ -15,7 +15,7 @@ import torch
 
 from tests.model.test_registry import make_wheel
 from tokenmill.model import registry
-from tokenmill.model.bert import load_encoder
+from tokenmill.model.bert import _Linear, load_encoder
 from tokenmill.model.config import ModelLoadError
 from tokenmill.model.encoder_config import read_encoder_config, read_encoder_tokenizer
 
@@ -87,6 +87,23 @@ def test_loader_refuses(tmp_path):
     tiny_encoder(tmp_path, num_hidden_layers=3)  # config.json says 3 layers, the weights hold 2
     with pytest.raises(ModelLoadError, match="missing"):
         load_encoder(str(tmp_path))
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_linears_run_on_onednn_as_float32(gelu):
+    """Where torch has oneDNN the encoder's linears run on its packed float32 weights (the
+    path taken is asserted): each row equals F.linear's to float32 rounding and does not
+    depend on the rows it shares the call with."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, generator=g)
+    lin = _Linear(w, b, gelu=gelu)
+    assert (lin.packed is not None) == torch.backends.mkldnn.is_available()
+    x = torch.randn(37, 64, generator=g)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    want = torch.nn.functional.gelu(want) if gelu else want
+    got = lin(x)
+    assert (got.double() - want).abs().max().item() < 1e-5
+    assert torch.equal(lin(x[5:6].contiguous()), got[5:6])
 
 
 @pytest.fixture(scope="session")
