@@ -39,6 +39,7 @@ class ModelOptions:
     path: str | None = None  # None: the embedded SmolLM2 GGUF
     dtype: str = "float32"
     quantization: str = "none"  # none | int8 | int4 (weight-only; computes in bfloat16)
+    activation_levels: int | None = None  # 1 or 2 (model/loader.set_activation_levels); None: the model's
     served_name: str | None = None  # what requests call it (default: the model's own name)
     # Sampling where a request says nothing: "auto" the model's own generation defaults
     # (tokenmill/model/generation.py), "none" the API's (temperature 1, no truncation),

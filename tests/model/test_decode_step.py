@@ -380,7 +380,8 @@ def test_fused_decode_step_with_q5_0_and_wide_blocks_equals_separate_ops(tmp_pat
     """A K-quant-style mix as llama-quantize writes it for Qwen (most layers Q5_0, some in
     Q8_0): int4 mode keeps Q5_0 layers in Q5_0 tiles with the file's own weights, a layer
     with a part in wider blocks at 8 bits, and the fused step runs both kinds as the
-    separate ops do: the same tokens and logprobs."""
+    separate ops do, with inputs in two int8 levels and in one: the same tokens and
+    logprobs."""
     if ops is None or not ops.decode_step_available():
         pytest.skip("the fused step needs the native build with AVX-512 VNNI and BF16, or AVX2 without AVX-512")
     transformers = pytest.importorskip("transformers")
@@ -388,7 +389,7 @@ def test_fused_decode_step_with_q5_0_and_wide_blocks_equals_separate_ops(tmp_pat
     from gguf import GGMLQuantizationType as G, quants
 
     from tokenmill.model.gguf_loader import q5_0_codes
-    from tokenmill.model.loader import LoadedModel, StoredBlocks, build_model
+    from tokenmill.model.loader import LoadedModel, StoredBlocks, build_model, set_activation_levels
     from tokenmill.model.quant import Int4Linear, Int8BlockLinear, Q5BlockLinear
     from tokenmill.model.safetensors_loader import HFCheckpoint
 
@@ -422,22 +423,30 @@ def test_fused_decode_step_with_q5_0_and_wide_blocks_equals_separate_ops(tmp_pat
     loaded = LoadedModel(model, None, cfg, "q5")
     prompts = {"a": [5, 17, 200, 3], "b": list(range(40, 80)), "c": [300, 1]}
     results = {}
-    for fused in (True, False):
-        engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
-        decoder = engine.runner.fused
-        if not fused:
-            engine.runner.fused = None  # the model's separate native ops
-        for rid, ids in prompts.items():
-            engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
-        tokens, logprobs = {}, {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
-        results[fused] = (tokens, logprobs)
-        if fused:
-            assert decoder, "the model did not take the fused step"
-    assert results[True] == results[False]
-    assert all(len(t) == 12 for t in results[True][0].values())
-    assert len({t for ts in results[True][0].values() for t in ts}) > 3  # not one token over and over
-    assert np.isfinite([lp for lps in results[True][1].values() for lp, _ in lps]).all()
+    # both activation levels (loader.set_activation_levels): one level is its own tile kinds
+    for levels, kinds in ((2, (3, 4)), (1, (5, 6))):
+        set_activation_levels(model, levels)
+        assert (l0.qkv.tile_kind, l1.qkv.tile_kind) == kinds
+        for fused in (True, False):
+            engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
+            decoder = engine.runner.fused
+            if not fused:
+                engine.runner.fused = None  # the model's separate native ops
+            for rid, ids in prompts.items():
+                engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                            logprobs=2))
+            tokens, logprobs = {}, {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top))
+                                                                   for lp in out.logprobs)
+            results[levels, fused] = (tokens, logprobs)
+            if fused:
+                assert decoder, "the model did not take the fused step"
+        assert results[levels, True] == results[levels, False]
+    assert results[1, True][1] != results[2, True][1]  # one level rounds the inputs more coarsely
+    assert all(len(t) == 12 for r in (results[1, True], results[2, True]) for t in r[0].values())
+    for levels in (1, 2):
+        assert len({t for ts in results[levels, True][0].values() for t in ts}) > 3  # not one token over and over
+        assert np.isfinite([lp for lps in results[levels, True][1].values() for lp, _ in lps]).all()

@@ -156,6 +156,38 @@ def test_int8_block_head_keeps_q8_0_blocks_and_near_exact_logits(rows):
     assert ((lin(xb) - xb.float() @ w.T).norm() / exact.norm()).item() < 1e-4
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+def test_one_level_block_kernels_match_their_definition(rows):
+    """int8 blocks (Q8_0 grid) and Q5_0 blocks with their inputs in one int8 level
+    (loader.set_activation_levels(model, 1)): the rounded activations against the
+    blocks' own weights."""
+    if ops.quant_gemv_vnni() is False:
+        pytest.skip("no AVX-512 VNNI or AVX2")
+    from tokenmill.model.quant import Q5BlockLinear
+
+    g = _gen(2)
+    n, k = 48, 256
+    d = (torch.rand(n, k // GROUP, generator=g) * 0.01 + 1e-3).to(torch.float16)
+    q = torch.randint(-127, 128, (n, k // GROUP, GROUP), generator=g)
+    q[:, :, 5] = 127  # Q8_0 scales by the block's largest magnitude, so one code is +-127
+    w8_weight = (q.float() * d.float()[..., None]).view(n, k)  # a dequantized Q8_0 tensor
+    w8 = Int8BlockLinear(w8_weight, float_out=True, precise=False)
+    codes = torch.randint(0, 32, (n, k), generator=g)
+    q5 = Q5BlockLinear(codes, d, precise=False)
+    assert (w8.tile_kind, q5.tile_kind) == (5, 6)
+    x = torch.randn(rows, k, generator=_gen(rows))
+    x[:, 9] = 30.0  # an outlier channel: one level's rounding shows
+    xa, sums = _quantized_activations(x)
+    # Q5_0 as int4's tiles take it: q * d meets the rounded inputs, m = -16 d the exact sums
+    qd = (codes.view(n, -1, GROUP).float() * d.float()[..., None]).view(n, k)
+    for lin, weight, got, want in ((w8, w8_weight, w8(x), xa @ w8_weight.T),
+                                   (q5, q5.dequantize(), q5(x).float(), xa @ qd.T - 16 * sums @ d.float().T)):
+        exact = x @ weight.T
+        tol = 3e-3 if lin is w8 else 1e-2  # (Q5_0's output is bfloat16)
+        assert (got - want).norm() / want.norm() < tol
+        assert (got - exact).norm() / exact.norm() > 1e-4  # not the two-level product
+
+
 def test_int4_precise_mode_is_near_exact_activations():
     w = torch.randn(64, 256, generator=_gen(0)) * 0.05
     one, two = Int4Linear(w), Int4Linear(w, precise=True)

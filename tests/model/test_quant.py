@@ -270,6 +270,13 @@ def test_auto_keeps_q5_0_and_wide_blocks_and_int4_rounds_them(tmp_path, monkeypa
     assert len(list((tmp_path / "prepared").glob("*.pt"))) == 2
     again = load_model(str(path), "bfloat16", "auto").model.layers[0]  # from the cache
     assert isinstance(again.o_proj, Q5BlockLinear) and torch.equal(again.o_proj.tiles, auto.o_proj.tiles)
+    # the activation levels: 2 for a file no recipe installs, 1 on request, from the same cache
+    assert (auto.qkv.tile_kind, auto.o_proj.tile_kind, int4.qkv.tile_kind) == (3, 4, 2)
+    one = load_model(str(path), "bfloat16", "auto", activation_levels=1)
+    assert one.activation_levels == 1 and len(list((tmp_path / "prepared").glob("*.pt"))) == 2
+    layer = one.model.layers[0]
+    assert (layer.qkv.tile_kind, layer.o_proj.tile_kind, layer.down.tile_kind) == (5, 6, 6)
+    assert one.model.lm_head.tile_kind == 3  # the output projection keeps two levels
 
 
 def test_a_gguf_files_weights_are_made_one_at_a_time(tmp_path):

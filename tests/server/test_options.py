@@ -163,3 +163,18 @@ def test_the_cli_hands_the_launcher_what_the_flags_say(tmp_path):
     want = ServeOptions(engine_mode="thread", max_num_seqs=7, served_model_name="m", data_dir=str(tmp_path),
                         max_body_mb=1.0, port=1, log_level="warning")
     assert got == {"options": repr(want), "model": "m", "body": 1 << 20, "seqs": 7}
+
+
+def test_activation_levels_flag_reaches_the_model_and_is_checked():
+    """--activation-levels 1 or 2 reaches the engine's model options (unset: the model's
+    recipe decides at load, 1 for qwen2.5-coder-1.5b and 2 for any other file); others
+    are refused before anything loads."""
+    from tokenmill.model.registry import RECIPES, recipe_activation_levels
+
+    assert ServeOptions(activation_levels=1).engine_config(resolve=False).model.activation_levels == 1
+    assert ServeOptions().engine_config(resolve=False).model.activation_levels is None
+    with pytest.raises(OptionError, match="--activation-levels must be 1 or 2"):
+        ServeOptions(activation_levels=3)
+    assert recipe_activation_levels(RECIPES["qwen2.5-coder-1.5b"].file) == 1
+    assert recipe_activation_levels(RECIPES["qwen2.5-coder-0.5b"].file) == 2
+    assert recipe_activation_levels("SmolLM2-135M-Instruct.Q4_1.gguf") == 2

@@ -154,4 +154,4 @@ def build_core(config: EngineConfig, defaults=None):
 
     config = resolve(config)  # (the torch runner loads dense weights)
     m = config.model
-    return LLMEngine(load_model(m.path, m.dtype, m.quantization), config, defaults)
+    return LLMEngine(load_model(m.path, m.dtype, m.quantization, m.activation_levels), config, defaults)

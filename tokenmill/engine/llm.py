@@ -24,7 +24,8 @@ class GenerationResult:
 
 class LLM:
     def __init__(self, model: str | LoadedModel | None = None, dtype: str = "float32",
-                 config: EngineConfig | None = None, quantization: str = "none"):
+                 config: EngineConfig | None = None, quantization: str = "none",
+                 activation_levels: int | None = None):
         """A request's silent fields get the model's generation defaults, as the server's
         do (a LoadedModel passed in has none)."""
         config = config or EngineConfig()
@@ -32,7 +33,7 @@ class LLM:
         if isinstance(model, LoadedModel):
             loaded = model
         else:
-            loaded = load_model(model, dtype, quantization)
+            loaded = load_model(model, dtype, quantization, activation_levels)
             defaults = generation_defaults(load_model_info(model).generation, config.model)
         self.engine = LLMEngine(loaded, config, defaults)
         self.tokenizer = loaded.tokenizer

@@ -47,6 +47,7 @@ class LoadedModel:
     path: str
     gguf_qtypes: dict[str, str] | None = None  # per-tensor quant type names for GGUF sources
     quantization: str = "none"  # what the weights run as (`auto` resolved)
+    activation_levels: int = 2  # int8 levels of the quantized layers' inputs (set_activation_levels)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -216,11 +217,46 @@ def _pack_tiles(model: LlamaModel, mapped: bool = False) -> None:
     pack_together([lin.tiles for lin in packed], placed)
 
 
+ACTIVATION_LEVELS = (1, 2)
+
+
+def set_activation_levels(model: LlamaModel, levels: int) -> int:
+    """The int8 levels the quantized blocks' inputs take on the VNNI kernels: 2 (~16 bits,
+    the default: the rounding residual in a second level) or 1 (llama.cpp's class: half
+    the dot products, ~1.5x a 16-row step; a model decides, by its fidelity: see
+    registry.ModelRecipe.activation_levels). The output projection keeps two either way.
+    The tiles are the same, so the prepared-weights cache is shared. Returns `levels`."""
+    if levels not in ACTIVATION_LEVELS:
+        raise ModelLoadError(f"activation levels must be one of {ACTIVATION_LEVELS}, got {levels!r}")
+    for layer in model.layers:
+        for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            if hasattr(lin, "precise"):
+                lin.precise = levels == 2
+    return levels
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
-               quantization: str = "none") -> LoadedModel:
+               quantization: str = "none", activation_levels: int | None = None) -> LoadedModel:
     """Load weights (dequantized to `dtype`, or re-quantized for the packed kernels) and
     the tokenizer from `path`, or the embedded model. A quantized model's prepared weights
-    are cached on disk (tokenmill/model/prepared.py): later starts map them instead."""
+    are cached on disk (tokenmill/model/prepared.py): later starts map them instead.
+    activation_levels: set_activation_levels' (None: the recipe that installs the file
+    says, else 2)."""
+    loaded = _load(path, dtype, quantization)
+    if loaded.quantization == "none":
+        return loaded
+    if activation_levels is None:
+        from tokenmill.model.registry import recipe_activation_levels
+
+        activation_levels = recipe_activation_levels(os.path.basename(loaded.path))
+    loaded.activation_levels = set_activation_levels(loaded.model, activation_levels)
+    if activation_levels != 2 and quant_vnni_available():
+        logs.say(f"{os.path.basename(loaded.path)}: the quantized layers' inputs in {activation_levels} int8 "
+                 "level (--activation-levels)")
+    return loaded
+
+
+def _load(path: str | None, dtype: str | torch.dtype, quantization: str) -> LoadedModel:
     path = path or default_model_path()
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if not os.path.exists(path):

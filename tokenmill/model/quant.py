@@ -192,7 +192,8 @@ class Int8BlockLinear(_Quantized):
     changed greedy answers most of all (benchmarks/fidelity.py). Needs the VNNI kernels;
     without them Int8Linear serves (output_projection, quantize_linear)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = True,
+                 precise: bool = True):
         w = weight.float()
         n, k = w.shape
         if not _tileable(n, k):
@@ -216,11 +217,17 @@ class Int8BlockLinear(_Quantized):
         self.out_features, self.in_features = n, k
         # the output projection keeps float32 logits; a layer's output is in its input's dtype
         self.float_out = float_out
+        # precise: inputs in two int8 levels (always for the output projection; a layer's
+        # as the model's activation levels say: loader.py)
+        self.precise = precise
 
-    tile_kind = 3  # csrc/quant_tiles.h: int8 blocks (the fused decode step reads it)
+    @property
+    def tile_kind(self) -> int:
+        """csrc/quant_tiles.h's kind of these tiles (the fused decode step reads it)."""
+        return 3 if self.precise else 5
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._vnni.q8b_gemv(x, self.tiles, self.float_out)
+        return self._vnni.q8b_gemv(x, self.tiles, self.float_out, self.precise)
 
     @property
     def nbytes(self) -> int:
@@ -230,10 +237,11 @@ class Int8BlockLinear(_Quantized):
 class Q5BlockLinear(_Quantized):
     """A layer whose weights a GGUF file stores as Q5_0 (w = (q - 16) * d, q in 0..31, a
     float16 d per 32 inputs), kept as the file has them: 5.5 bits a weight, 10% more than
-    int4's tiles, instead of a second rounding to int4. Inputs in two int8 levels, as
-    every int4 layer's. Needs the VNNI kernels (AVX-512 VNNI or AVX2)."""
+    int4's tiles, instead of a second rounding to int4. Inputs in two int8 levels
+    (precise) or one, as every int4 layer's. Needs the VNNI kernels (AVX-512 VNNI or AVX2)."""
 
-    def __init__(self, codes: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None,
+                 precise: bool = True):
         n, k = codes.shape
         if not _tileable(n, k):
             raise ValueError(f"Q5_0 blocks need in_features in {GROUP}s and out_features in {TILE}s, got {k}, {n}")
@@ -244,15 +252,19 @@ class Q5BlockLinear(_Quantized):
         self.tiles = pack_q5_tiles(codes.reshape(n, k), self.d)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
         self.out_features, self.in_features = n, k
+        self.precise = precise
 
-    tile_kind = 4  # csrc/quant_tiles.h: Q5_0 blocks (the fused decode step reads it)
+    @property
+    def tile_kind(self) -> int:
+        """csrc/quant_tiles.h's kind of these tiles (the fused decode step reads it)."""
+        return 4 if self.precise else 6
 
     def dequantize(self) -> torch.Tensor:
         q = unpack_q5_tiles(self.tiles, self.out_features, self.in_features).view(self.out_features, -1, GROUP)
         return ((q.float() - 16.0) * self.d.float()[..., None]).view(self.out_features, self.in_features)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._vnni.q5_gemv(x, self.tiles, False)
+        return self._vnni.q5_gemv(x, self.tiles, False, self.precise)
 
     @property
     def nbytes(self) -> int:
@@ -358,12 +370,12 @@ class Int4Linear(_Quantized):
 
 def quantize_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, precise: bool = False,
                     grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """precise: the layer's inputs carry outlier channels (int4 only; see Int4Linear).
-    grid: int4 codes and grid to keep (Int4Linear)."""
+    """precise: the layer's inputs in two int8 levels (see Int4Linear; the int8 blocks'
+    too). grid: int4 codes and grid to keep (Int4Linear)."""
     if kind == "int8":
         n, k = weight.shape
-        if _vnni_ops() is not None and _tileable(n, k):
-            return Int8BlockLinear(weight, bias, float_out=False)  # Q8_0's grid: a Q8_0 file's own blocks
+        if _vnni_ops() is not None and _tileable(n, k):  # Q8_0's grid: a Q8_0 file's own blocks
+            return Int8BlockLinear(weight, bias, float_out=False, precise=precise)
         return Int8Linear(weight, bias)
     if kind == "int4":
         n, k = weight.shape

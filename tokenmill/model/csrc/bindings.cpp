@@ -13,8 +13,8 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool precise);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, bool float_out);
-torch::Tensor q8b_gemv(torch::Tensor x, torch::Tensor w, bool float_out);
-torch::Tensor q5_gemv(torch::Tensor x, torch::Tensor w, bool float_out);
+torch::Tensor q8b_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool precise);
+torch::Tensor q5_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool precise);
 bool quant_gemv_vnni();
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor gelu_tanh_mul(torch::Tensor gu);
@@ -55,8 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qk_norm_", &qk_norm_, "rms_norm over each q and k head of a fused qkv projection, in place");
   m.def("q4_gemv", &q4_gemv, "x @ int4 tiled weights with x quantized to int8 per group of 32 (few rows)");
   m.def("q8_gemv", &q8_gemv, "x @ int8 tiled weights with x quantized to int8 per group of 32 (few rows)");
-  m.def("q5_gemv", &q5_gemv, "x @ Q5_0 block tiles, x in two int8 levels per group of 16 (few rows)");
-  m.def("q8b_gemv", &q8b_gemv, "x @ int8 block tiles (Q8_0 grid), x in two int8 levels per group of 16 (few rows)");
+  m.def("q5_gemv", &q5_gemv, "x @ Q5_0 block tiles, x in one or (precise) two int8 levels per group of 16");
+  m.def("q8b_gemv", &q8b_gemv, "x @ int8 block tiles (Q8_0 grid), x in one or (precise) two int8 levels per group of 16");
   m.def("quant_gemv_vnni", &quant_gemv_vnni, "whether q4_gemv/q8_gemv were built with AVX-512 VNNI");
   m.def("int8_gemv", &int8_gemv, "x [M, K] @ (int8 w [N, K] * scales[:, None]).T in float32, for a few rows");
 }

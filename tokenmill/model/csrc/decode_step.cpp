@@ -55,7 +55,8 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
 struct Mat {
   torch::Tensor tiles;
   int64_t n = 0, k = 0, tile_bytes = 0;
-  int64_t kind = 1;  // tm_quant's tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks (precise), 4 Q5_0 blocks (precise)
+  int64_t kind = 1;  // tm_quant's tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks precise, 4 Q5_0 blocks
+                     // precise, 5 int8 blocks, 6 Q5_0 blocks
   torch::Tensor bias;  // bfloat16 [n], or undefined for none
 };
 
@@ -86,8 +87,10 @@ class DecodeModel {
                 "cos, sin: float32 [positions, head_dim / 2]");
     for (size_t i = 0; i < mats.size(); ++i) {
       const auto& t = mats[i];
-      const int64_t kind = kinds[i], group_bytes = kind == 3 ? 544 : kind == 4 ? 352 : 320;
-      TORCH_CHECK(kind >= 1 && kind <= 4, "tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks, 4 Q5_0 blocks");
+      const int64_t kind = kinds[i];
+      const int64_t group_bytes = kind == 3 || kind == 5 ? 544 : kind == 4 || kind == 6 ? 352 : 320;
+      TORCH_CHECK(kind >= 1 && kind <= 6, "tile kinds: 1 int4, 2 int4 precise, 3 int8 blocks precise, "
+                  "4 Q5_0 blocks precise, 5 int8 blocks, 6 Q5_0 blocks");
       TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() && t.size(1) % group_bytes == 0,
                   "tiles [N/16, K/32 * ", group_bytes, "]");
       mats_.push_back({t, t.size(0) * 16, t.size(1) / group_bytes * 32, t.size(1), kind, torch::Tensor()});
@@ -429,6 +432,8 @@ class DecodeModel {
         case 1: return tm_quant::tiles_range<1>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
         case 2: return tm_quant::tiles_range<2>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
         case 4: return tm_quant::tiles_range<4>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
+        case 5: return tm_quant::tiles_range<5>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
+        case 6: return tm_quant::tiles_range<6>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
         default: return tm_quant::tiles_range<3>(w, m.tile_bytes, xq, M, m.k, m.n, t0, t1, y);
       }
     };

@@ -79,20 +79,19 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool pre
 }
 
 // x [M, K] @ int8 block tiles (Q8_0 grid) -> [M, N]; w uint8 [N/16, K/32 * 544].
-torch::Tensor q8b_gemv(torch::Tensor x, torch::Tensor w, bool float_out) {
+torch::Tensor q8b_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool precise) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2, "w: uint8 tiles [N/16, K/32 * 544]");
   const int64_t K = x.size(1), N = w.size(0) * kTile;
   TORCH_CHECK(x.dim() == 2 && K % kGroup == 0 && w.size(1) == K / kGroup * 544, "shape mismatch");
-  return gemv<3>(x, w, N, w.size(1), float_out);
+  return precise ? gemv<3>(x, w, N, w.size(1), float_out) : gemv<5>(x, w, N, w.size(1), float_out);
 }
 
-// x [M, K] @ Q5_0 block tiles -> [M, N]; w uint8 [N/16, K/32 * 352]. Activations in
-// two int8 levels.
-torch::Tensor q5_gemv(torch::Tensor x, torch::Tensor w, bool float_out) {
+// x [M, K] @ Q5_0 block tiles -> [M, N]; w uint8 [N/16, K/32 * 352].
+torch::Tensor q5_gemv(torch::Tensor x, torch::Tensor w, bool float_out, bool precise) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2, "w: uint8 tiles [N/16, K/32 * 352]");
   const int64_t K = x.size(1), N = w.size(0) * kTile;
   TORCH_CHECK(x.dim() == 2 && K % kGroup == 0 && w.size(1) == K / kGroup * 352, "shape mismatch");
-  return gemv<4>(x, w, N, w.size(1), float_out);
+  return precise ? gemv<4>(x, w, N, w.size(1), float_out) : gemv<6>(x, w, N, w.size(1), float_out);
 }
 
 // x [M, K] @ int8 tiles -> [M, N]; w uint8 [N/16, 64 + K/32 * 512].

@@ -75,7 +75,8 @@ inline float avx2_round_level(__m256 f0, __m256 f1, int8_t* q, __m256i& q0, __m2
 
 // What a tile kind reads of the quantized activations; the rest is not computed (the
 // horizontal sums cost as much as the rounding: at 512 rows, quantizing took ~11% of a
-// prefill). Kinds: 0 int8 rows, 1 int4, 2 int4 precise, 3 int8 blocks, 4 Q5_0.
+// prefill). Kinds: 0 int8 rows, 1 int4, 2 int4 precise, 3 int8 blocks precise, 4 Q5_0
+// precise, 5 int8 blocks, 6 Q5_0 (precise: the activations' second int8 level).
 struct XNeeds {
   bool precise;  // the second int8 level
   bool qsums;    // sums of the codes: the AVX-512 int8 tiles' -128 correction
@@ -85,11 +86,11 @@ constexpr XNeeds x_needs(int kind) {
   // (the condition of the AVX-512 tiles below, the only readers of the code sums; the
   // AVX2 quantize loop never writes them)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  const bool qsums = kind == 0 || kind == 3;
+  const bool qsums = kind == 0 || kind == 3 || kind == 5;
 #else
   const bool qsums = false;  // the AVX2 int8 tiles carry the sign instead
 #endif
-  return {kind >= 2, qsums, kind == 1 || kind == 2 || kind == 4};
+  return {kind >= 2 && kind <= 4, qsums, kind == 1 || kind == 2 || kind == 4 || kind == 6};
 }
 
 // A half group's float sum into its group's (the first half sets it, the second adds)
@@ -317,21 +318,25 @@ void q8_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512
 // int8 codes with a float16 scale per (row, group of 32): GGUF's Q8_0 grid, so a Q8_0
 // tensor's codes and scales come back exactly (the output projection, where a second
 // rounding decides ties between the top logits). Per group 512 bytes of codes as in
-// q8_tile, then the 16 rows' scales: 544 bytes. The activations always take two int8
-// levels here (precise): x's rounding moves every logit at once.
-template <int R>
+// q8_tile, then the 16 rows' scales: 544 bytes. Precise: the activations' second int8
+// level too; the output projection always takes it (x's rounding moves every logit at
+// once), the blocks' layers as the model's activation levels say.
+template <int R, bool Precise = true>
 void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m512 out[R]) {
   const int64_t G = K / kGroup;
+  constexpr int R2 = Precise ? R : 1;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i lo_dot[R], hi_dot[R], lo_dot2[R], hi_dot2[R];
+    __m512i lo_dot[R], hi_dot[R], lo_dot2[R2], hi_dot2[R2];
     for (int r = 0; r < R; ++r) {
       const int64_t hg = 2 * ((xrow + r) * G + g);
       lo_dot[r] = _mm512_set1_epi32(-128 * xq.qsum[hg]);
       hi_dot[r] = _mm512_set1_epi32(-128 * xq.qsum[hg + 1]);
-      lo_dot2[r] = _mm512_set1_epi32(-128 * xq.qsum2[hg]);
-      hi_dot2[r] = _mm512_set1_epi32(-128 * xq.qsum2[hg + 1]);
+      if constexpr (Precise) {
+        lo_dot2[r] = _mm512_set1_epi32(-128 * xq.qsum2[hg]);
+        hi_dot2[r] = _mm512_set1_epi32(-128 * xq.qsum2[hg + 1]);
+      }
     }
     const uint8_t* wg = w + g * 544;
     for (int c = 0; c < 4; ++c) {
@@ -341,32 +346,36 @@ void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m51
         const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
         lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], v, bcast4(xq.q.data() + xo));
         hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], u, bcast4(xq.q.data() + xo + 16));
-        lo_dot2[r] = _mm512_dpbusd_epi32(lo_dot2[r], v, bcast4(xq.q2.data() + xo));
-        hi_dot2[r] = _mm512_dpbusd_epi32(hi_dot2[r], u, bcast4(xq.q2.data() + xo + 16));
+        if constexpr (Precise) {
+          lo_dot2[r] = _mm512_dpbusd_epi32(lo_dot2[r], v, bcast4(xq.q2.data() + xo));
+          hi_dot2[r] = _mm512_dpbusd_epi32(hi_dot2[r], u, bcast4(xq.q2.data() + xo + 16));
+        }
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 512)));
     for (int r = 0; r < R; ++r) {
       const int64_t hg = 2 * ((xrow + r) * G + g);
       const float* dx = xq.d.data() + hg;
-      const float* dx2 = xq.d2.data() + hg;
       __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(lo_dot[r]), _mm512_set1_ps(dx[0]));
       dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot[r]), _mm512_set1_ps(dx[1]), dots);
-      dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot2[r]), _mm512_set1_ps(dx2[0]), dots);
-      dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot2[r]), _mm512_set1_ps(dx2[1]), dots);
+      if constexpr (Precise) {
+        const float* dx2 = xq.d2.data() + hg;
+        dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot2[r]), _mm512_set1_ps(dx2[0]), dots);
+        dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot2[r]), _mm512_set1_ps(dx2[1]), dots);
+      }
       acc[r] = _mm512_fmadd_ps(dots, d, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-// Kind: 0 int8 (row scales), 1 int4, 2 int4 precise, 3 int8 blocks (Q8_0 grid, precise),
-// 4 Q5_0 blocks (precise)
+// Kind: 0 int8 (row scales), 1 int4, 2 int4 precise, 3 int8 blocks (Q8_0 grid) precise,
+// 4 Q5_0 blocks precise, 5 int8 blocks, 6 Q5_0 blocks
 template <int R, int Kind>
 void tile_rows(const uint8_t* w, const QuantX& xq, int64_t m0, int64_t K, __m512* out) {
   if constexpr (Kind == 0) q8_tile<R>(w, xq, m0, K, out);
-  else if constexpr (Kind == 3) q8b_tile<R>(w, xq, m0, K, out);
-  else if constexpr (Kind == 4) q4_tile<R, true, true>(w, xq, m0, K, out);
+  else if constexpr (Kind == 3 || Kind == 5) q8b_tile<R, Kind == 3>(w, xq, m0, K, out);
+  else if constexpr (Kind == 4 || Kind == 6) q4_tile<R, Kind == 4, true>(w, xq, m0, K, out);
   else q4_tile<R, Kind == 2>(w, xq, m0, K, out);
 }
 
@@ -525,7 +534,7 @@ void q8_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256
     for (int h = 0; h < 2; ++h) out[2 * r + h] = _mm256_mul_ps(acc[2 * r + h], avx2_load8(s + 8 * h));
 }
 
-template <int R>
+template <int R, bool Precise = true>
 void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m256 out[2 * R]) {
   const int64_t G = K / kGroup;
   for (int h = 0; h < 2; ++h) {  // one half at a time, as q4_tile
@@ -543,19 +552,23 @@ void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m25
           const int64_t xo = (xrow + r) * K + g * kGroup + 4 * c;
           lo_dot[r] = _mm256_add_epi32(lo_dot[r], dot_s8(av, v, bcast4(xq.q.data() + xo)));
           hi_dot[r] = _mm256_add_epi32(hi_dot[r], dot_s8(au, u, bcast4(xq.q.data() + xo + 16)));
-          lo_dot2[r] = _mm256_add_epi32(lo_dot2[r], dot_s8(av, v, bcast4(xq.q2.data() + xo)));
-          hi_dot2[r] = _mm256_add_epi32(hi_dot2[r], dot_s8(au, u, bcast4(xq.q2.data() + xo + 16)));
+          if constexpr (Precise) {
+            lo_dot2[r] = _mm256_add_epi32(lo_dot2[r], dot_s8(av, v, bcast4(xq.q2.data() + xo)));
+            hi_dot2[r] = _mm256_add_epi32(hi_dot2[r], dot_s8(au, u, bcast4(xq.q2.data() + xo + 16)));
+          }
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 512 + 16 * h)));
       for (int r = 0; r < R; ++r) {
         const int64_t hg = 2 * ((xrow + r) * G + g);
         const float* dx = xq.d.data() + hg;
-        const float* dx2 = xq.d2.data() + hg;
         __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(lo_dot[r]), _mm256_set1_ps(dx[0]));
         dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot[r]), _mm256_set1_ps(dx[1]), dots);
-        dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot2[r]), _mm256_set1_ps(dx2[0]), dots);
-        dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot2[r]), _mm256_set1_ps(dx2[1]), dots);
+        if constexpr (Precise) {
+          const float* dx2 = xq.d2.data() + hg;
+          dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot2[r]), _mm256_set1_ps(dx2[0]), dots);
+          dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot2[r]), _mm256_set1_ps(dx2[1]), dots);
+        }
         acc[r] = _mm256_fmadd_ps(dots, d, acc[r]);
       }
     }
@@ -566,8 +579,8 @@ void q8b_tile(const uint8_t* w, const QuantX& xq, int64_t xrow, int64_t K, __m25
 template <int R, int Kind>
 void tile_rows(const uint8_t* w, const QuantX& xq, int64_t m0, int64_t K, __m256* out) {
   if constexpr (Kind == 0) q8_tile<R>(w, xq, m0, K, out);
-  else if constexpr (Kind == 3) q8b_tile<R>(w, xq, m0, K, out);
-  else if constexpr (Kind == 4) q4_tile<R, true, true>(w, xq, m0, K, out);
+  else if constexpr (Kind == 3 || Kind == 5) q8b_tile<R, Kind == 3>(w, xq, m0, K, out);
+  else if constexpr (Kind == 4 || Kind == 6) q4_tile<R, Kind == 4, true>(w, xq, m0, K, out);
   else q4_tile<R, Kind == 2>(w, xq, m0, K, out);
 }
 
