@@ -334,6 +334,31 @@ def test_hugepage_zeros_and_packing():
     assert torch.equal(packed[1], parts[1])  # writes stay in their own tensor
 
 
+def _greedy_fused_and_not(loaded, what: str) -> dict:
+    """Three prompts, 12 greedy tokens each with their top-2 logprobs, once on the fused
+    step (asserted taken) and once on the model's separate native ops: {fused: (tokens,
+    logprobs)}."""
+    prompts = {"a": [5, 17, 200, 3], "b": list(range(40, 80)), "c": [300, 1]}
+    results = {}
+    for fused in (True, False):
+        engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
+        decoder = engine.runner.fused
+        if not fused:
+            engine.runner.fused = None  # the model's separate native ops
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
+        tokens, logprobs = {}, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+        results[fused] = (tokens, logprobs)
+        if fused:
+            assert decoder, f"the {what} did not take the fused step"
+    assert all(len(t) == 12 for t in results[True][0].values())
+    return results
+
+
 def test_fused_decode_step_with_qkv_bias_equals_separate_ops(tmp_path):
     """A Qwen2 checkpoint (biases on q, k, v) runs fused too, bias added as the separate
     ops add it: the same tokens and logprobs either way."""
@@ -355,25 +380,8 @@ def test_fused_decode_step_with_qkv_bias_equals_separate_ops(tmp_path):
     loaded = load_model(str(tmp_path), "bfloat16", "int4")
     model = loaded.model
     assert model.layers[0].qkv.bias is not None
-    prompts = {"a": [5, 17, 200, 3], "b": list(range(40, 80)), "c": [300, 1]}
-    results = {}
-    for fused in (True, False):
-        engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
-        decoder = engine.runner.fused
-        if not fused:
-            engine.runner.fused = None  # the model's separate native ops
-        for rid, ids in prompts.items():
-            engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
-        tokens, logprobs = {}, {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
-        results[fused] = (tokens, logprobs)
-        if fused:
-            assert decoder, "the biased model did not take the fused step"
+    results = _greedy_fused_and_not(loaded, "biased model")
     assert results[True] == results[False]
-    assert all(len(t) == 12 for t in results[True][0].values())
 
 
 def test_fused_decode_step_with_q5_0_and_wide_blocks_equals_separate_ops(tmp_path):
@@ -421,32 +429,15 @@ def test_fused_decode_step_with_q5_0_and_wide_blocks_equals_separate_ops(tmp_pat
     # without the file's blocks the same weights are rounded to int4
     assert isinstance(build_model(cfg, dict(weights), torch.bfloat16, None, "int4").layers[1].qkv, Int4Linear)
     loaded = LoadedModel(model, None, cfg, "q5")
-    prompts = {"a": [5, 17, 200, 3], "b": list(range(40, 80)), "c": [300, 1]}
     results = {}
     # both activation levels (loader.set_activation_levels): one level is its own tile kinds
     for levels, kinds in ((2, (3, 4)), (1, (5, 6))):
         set_activation_levels(model, levels)
         assert (l0.qkv.tile_kind, l1.qkv.tile_kind) == kinds
-        for fused in (True, False):
-            engine = make_engine(loaded, num_blocks=32, prefix_caching=False)
-            decoder = engine.runner.fused
-            if not fused:
-                engine.runner.fused = None  # the model's separate native ops
-            for rid, ids in prompts.items():
-                engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                            logprobs=2))
-            tokens, logprobs = {}, {}
-            while engine.has_unfinished():
-                for out in engine.step():
-                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                    logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top))
-                                                                   for lp in out.logprobs)
-            results[levels, fused] = (tokens, logprobs)
-            if fused:
-                assert decoder, "the model did not take the fused step"
-        assert results[levels, True] == results[levels, False]
-    assert results[1, True][1] != results[2, True][1]  # one level rounds the inputs more coarsely
-    assert all(len(t) == 12 for r in (results[1, True], results[2, True]) for t in r[0].values())
+        results[levels] = _greedy_fused_and_not(loaded, "model")
+        assert results[levels][True] == results[levels][False]
+    assert results[1][True][1] != results[2][True][1]  # one level rounds the inputs more coarsely
     for levels in (1, 2):
-        assert len({t for ts in results[levels, True][0].values() for t in ts}) > 3  # not one token over and over
-        assert np.isfinite([lp for lps in results[levels, True][1].values() for lp, _ in lps]).all()
+        tokens, logprobs = results[levels][True]
+        assert len({t for ts in tokens.values() for t in ts}) > 3  # not one token over and over
+        assert np.isfinite([lp for lps in logprobs.values() for lp, _ in lps]).all()
