@@ -126,6 +126,15 @@ def test_int8_kernel_matches_its_definition(rows):
     assert (got - want).norm() / want.norm() < 3e-3
 
 
+def _q8_0_tensor(g, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dequantized Q8_0 tensor [n, k] and its float16 scales [n, k / 32]."""
+    d = (torch.rand(n, k // GROUP, generator=g) * 0.01 + 1e-3).to(torch.float16)
+    q = torch.randint(-127, 128, (n, k // GROUP, GROUP), generator=g)
+    q[:, :, 5] = 127  # Q8_0 scales by the block's largest magnitude, so one code is +-127
+    q[::2, :, 5] = -127
+    return (q.float() * d.float()[..., None]).view(n, k), d
+
+
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_int8_block_head_keeps_q8_0_blocks_and_near_exact_logits(rows):
     """The output projection reads a Q8_0 tensor's own codes and scales (nothing rounded a
@@ -133,13 +142,8 @@ def test_int8_block_head_keeps_q8_0_blocks_and_near_exact_logits(rows):
     product, far closer than per-row int8 gets."""
     if ops.quant_gemv_vnni() is False:
         pytest.skip("no AVX-512 VNNI or AVX2")
-    g = _gen(0)
     n, k = 64, 256
-    d = (torch.rand(n, k // GROUP, generator=g) * 0.01 + 1e-3).to(torch.float16)
-    q = torch.randint(-127, 128, (n, k // GROUP, GROUP), generator=g)
-    q[:, :, 5] = 127  # Q8_0 scales by the block's largest magnitude, so one code is +-127
-    q[::2, :, 5] = -127
-    w = (q.float() * d.float()[..., None]).view(n, k)  # a dequantized Q8_0 tensor
+    w, d = _q8_0_tensor(_gen(0), n, k)
     lin = output_projection(w)
     assert isinstance(lin, Int8BlockLinear)
     assert torch.equal(lin.d, d)
@@ -167,10 +171,7 @@ def test_one_level_block_kernels_match_their_definition(rows):
 
     g = _gen(2)
     n, k = 48, 256
-    d = (torch.rand(n, k // GROUP, generator=g) * 0.01 + 1e-3).to(torch.float16)
-    q = torch.randint(-127, 128, (n, k // GROUP, GROUP), generator=g)
-    q[:, :, 5] = 127  # Q8_0 scales by the block's largest magnitude, so one code is +-127
-    w8_weight = (q.float() * d.float()[..., None]).view(n, k)  # a dequantized Q8_0 tensor
+    w8_weight, d = _q8_0_tensor(g, n, k)
     w8 = Int8BlockLinear(w8_weight, float_out=True, precise=False)
     codes = torch.randint(0, 32, (n, k), generator=g)
     q5 = Q5BlockLinear(codes, d, precise=False)
