@@ -44,6 +44,16 @@ class _Counting:
         return self.inner.decode_steps(ids, *args)
 
 
+def _run_to_end(engine) -> tuple[dict, dict]:
+    """Steps until every request ends: each request's tokens and (logprob, top) pairs."""
+    tokens, logprobs = {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+    return tokens, logprobs
+
+
 @pytest.mark.parametrize("which", ["smol_int4", "smol_int8"])
 def test_fused_decode_step_equals_separate_ops(which, request):
     """int4 layers, and int8 ones (Q8_0 block tiles), run fused as they run op by op."""
@@ -74,11 +84,7 @@ def test_fused_decode_step_equals_separate_ops(which, request):
         for rid, ids in prompts.items():
             engine.add_request(rid, ids, SamplingParams(max_tokens=lengths[rid], temperature=0, ignore_eos=True,
                                                         logprobs=3))
-        tokens, logprobs = {}, {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+        tokens, logprobs = _run_to_end(engine)
         results[fused] = (tokens, logprobs)
         if fused:
             assert counter.calls >= 25 and counter.rows == {1, 2, 3, 4, 5}
@@ -347,11 +353,7 @@ def _greedy_fused_and_not(loaded, what: str) -> dict:
             engine.runner.fused = None  # the model's separate native ops
         for rid, ids in prompts.items():
             engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
-        tokens, logprobs = {}, {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                logprobs.setdefault(out.request_id, []).extend((lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+        tokens, logprobs = _run_to_end(engine)
         results[fused] = (tokens, logprobs)
         if fused:
             assert decoder, f"the {what} did not take the fused step"
