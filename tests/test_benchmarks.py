@@ -68,7 +68,7 @@ def test_quick_run(module: str) -> None:
 def test_every_benchmark_has_a_quick_run() -> None:
     """A new benchmark script joins QUICK (or is a module the benchmarks share)."""
     shared = {"race.peers", "race.table", "race.naive_server", "gpu.paged", "soak.traffic", "soak.batches",
-              "soak.probe", "soak.faults", "soak.report"}
+              "soak.probe", "soak.faults", "soak.report", "serving.st_onnx"}
     found = {f"{p.parent.name}.{p.stem}" for p in ROOT.glob("benchmarks/*/*.py") if p.stem != "__init__"}
     assert found - shared - {"gpu.check", "gpu.engine_check"} == set(QUICK)
 
