@@ -182,7 +182,8 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: to
             # norms' outputs and silu * up carry outlier channels, and with one level greedy
             # answers left the exact mode's on 38 of 64 prompts against 13 with two
             # (benchmarks/fidelity.py); two levels cost ~15% of decode speed at 16 rows and
-            # little at one, where the weight stream sets the time.
+            # little at one, where the weight stream sets the time. A model whose answers keep
+            # their fidelity with one level gets one after loading (set_activation_levels).
             qkv=linear(qkv_w, qkv_b, precise=True, names=tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
             o_proj=linear(f32(p + "self_attn.o_proj.weight"), precise=True, names=(p + "self_attn.o_proj.weight",)),
             gate_up=linear(gate_up, precise=True, names=(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
