@@ -131,8 +131,11 @@ def main() -> None:
     st = SentenceTransformer(str(encoder), device="cpu")
     st_name = f"sentence-transformers (in-process, {torch.get_num_threads()} threads), all-MiniLM-L6-v2"
 
+    def listed(inp) -> list[str]:
+        return [inp] if isinstance(inp, str) else inp
+
     def st_embed(inp) -> None:
-        st.encode([inp] if isinstance(inp, str) else inp, batch_size=32)
+        st.encode(listed(inp), batch_size=32)
 
     peers = {st_name: st_embed}
     if st_onnx.available():
@@ -143,8 +146,7 @@ def main() -> None:
         if cos < 0.9999:
             raise SystemExit(f"ONNX Runtime's vectors differ from sentence-transformers' (cosine {cos:.6f})")
         peers[f"sentence-transformers' pipeline on ONNX Runtime {st_onnx.PACKAGES[0].split('==')[1]} "
-              f"(in-process, {torch.get_num_threads()} threads)"] = lambda inp: ort_encode(
-                  [inp] if isinstance(inp, str) else inp)
+              f"(in-process, {torch.get_num_threads()} threads)"] = lambda inp: ort_encode(listed(inp))
     else:
         print(f"ONNX Runtime: not installed in {st_onnx.SITE} (python -m benchmarks.serving.st_onnx --install)")
 

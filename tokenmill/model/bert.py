@@ -54,8 +54,9 @@ class _Linear:
     available (see the module's doc), else F.linear."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor, gelu: bool = False):
-        self.w, self.b, self.gelu = w, b, gelu
+        self.b, self.gelu = b, gelu
         self.packed = _onednn_pack(w, b, gelu)
+        self.w = w if self.packed is None else None  # (the packed copy is the only one kept)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -113,10 +114,8 @@ class BertEncoder:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cu: list[int]) -> torch.Tensor:
         """The last layer's token states [T, hidden] of the inputs input_ids[cu[s]:cu[s+1]]."""
-        cfg = self.cfg
         positions = torch.cat([torch.arange(cu[s + 1] - cu[s]) for s in range(len(cu) - 1)])
         x = self._ln(self.word[input_ids] + self.pos[positions] + self.type0, self.emb_ln)
-        H, D = cfg.num_heads, cfg.head_dim
         # inputs of one length attend as one batch (one call a layer, not one per input)
         by_length: dict[int, list[int]] = {}
         for s in range(len(cu) - 1):
@@ -126,19 +125,23 @@ class BertEncoder:
                    torch.cat([torch.arange(a, a + n) for a in starts])) for n, starts in by_length.items()]
         for layer in self.layers:
             qkv = layer["qkv"](x)  # [T, 3 * hidden]
-            attn = torch.empty_like(x)
-            for n, rows in groups:
-                b = (len(input_ids) if rows is None else rows.numel()) // n
-                mine = qkv if rows is None else qkv.index_select(0, rows)
-                q, k, v = mine.view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # 3 x [b, H, n, D]
-                out = F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(b * n, H * D)
-                if rows is None:
-                    attn = out
-                else:
-                    attn.index_copy_(0, rows, out)
+            if groups[0][1] is None:
+                attn = self._attend(qkv, groups[0][0])
+            else:
+                attn = torch.empty_like(x)
+                for n, rows in groups:
+                    attn.index_copy_(0, rows, self._attend(qkv.index_select(0, rows), n))
             x = self._ln(x + layer["out"](attn), layer["ln1"])
             x = self._ln(x + layer["down"](layer["up"](x)), layer["ln2"])
         return x
+
+    def _attend(self, qkv: torch.Tensor, n: int) -> torch.Tensor:
+        """Attention within each run of n rows of qkv [b * n, 3 * hidden] (inputs of length n
+        back to back): [b * n, hidden]."""
+        H, D = self.cfg.num_heads, self.cfg.head_dim
+        b = qkv.shape[0] // n
+        q, k, v = qkv.view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # 3 x [b, H, n, D]
+        return F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(b * n, H * D)
 
     def pool(self, states: torch.Tensor, cu: list[int]) -> torch.Tensor:
         """One vector per input [S, hidden], pooled and (if the model says so) normalized."""

@@ -147,6 +147,18 @@ class _Quantized:
         return y + self.bias if self.bias is not None else y
 
 
+class _Leveled(_Quantized):
+    """A kind of tiles whose inputs take one int8 level or (precise) two
+    (loader.set_activation_levels switches them)."""
+    _KINDS: tuple[int, int]  # csrc/quant_tiles.h's tile kinds: (one level, two)
+    precise: bool
+
+    @property
+    def tile_kind(self) -> int:
+        """The kind the fused decode step runs these tiles as."""
+        return self._KINDS[self.precise]
+
+
 class Int8Linear(_Quantized):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False):
         w = weight.float()
@@ -183,7 +195,7 @@ class Int8Linear(_Quantized):
         return self.tiles.nbytes if self._vnni is not None else self.qweight.nbytes + self.scales_bf16.nbytes
 
 
-class Int8BlockLinear(_Quantized):
+class Int8BlockLinear(_Leveled):
     """The output projection, and the int8 mode's layers: int8 codes with a float16 scale per 32 inputs of a row, as
     GGUF's Q8_0 stores them (d = max|w| / 127 in float16, q = round(w / d)), so a Q8_0
     head's codes and scales come back exactly from its dequantized weights, and its
@@ -221,10 +233,7 @@ class Int8BlockLinear(_Quantized):
         # as the model's activation levels say: loader.py)
         self.precise = precise
 
-    @property
-    def tile_kind(self) -> int:
-        """csrc/quant_tiles.h's kind of these tiles (the fused decode step reads it)."""
-        return 3 if self.precise else 5
+    _KINDS = (5, 3)  # int8 blocks
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         return self._vnni.q8b_gemv(x, self.tiles, self.float_out, self.precise)
@@ -234,7 +243,7 @@ class Int8BlockLinear(_Quantized):
         return self.tiles.nbytes
 
 
-class Q5BlockLinear(_Quantized):
+class Q5BlockLinear(_Leveled):
     """A layer whose weights a GGUF file stores as Q5_0 (w = (q - 16) * d, q in 0..31, a
     float16 d per 32 inputs), kept as the file has them: 5.5 bits a weight, 10% more than
     int4's tiles, instead of a second rounding to int4. Inputs in two int8 levels
@@ -254,10 +263,7 @@ class Q5BlockLinear(_Quantized):
         self.out_features, self.in_features = n, k
         self.precise = precise
 
-    @property
-    def tile_kind(self) -> int:
-        """csrc/quant_tiles.h's kind of these tiles (the fused decode step reads it)."""
-        return 4 if self.precise else 6
+    _KINDS = (6, 4)  # Q5_0 blocks
 
     def dequantize(self) -> torch.Tensor:
         q = unpack_q5_tiles(self.tiles, self.out_features, self.in_features).view(self.out_features, -1, GROUP)
@@ -309,7 +315,7 @@ def _int4_grid(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return d, m, q
 
 
-class Int4Linear(_Quantized):
+class Int4Linear(_Leveled):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False,
                  grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """`grid`: the file's own (codes [N, K], d, m [N, K/32]) where it has them (a K-quant
@@ -342,10 +348,7 @@ class Int4Linear(_Quantized):
             self.scales_zeros = torch.stack([self.d.float(), self.m.float() + 8.0 * self.d.float()],
                                             dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
-    @property
-    def tile_kind(self) -> int:
-        """csrc/quant_tiles.h's kind of these tiles (the fused decode step reads it)."""
-        return 2 if self.precise else 1
+    _KINDS = (1, 2)  # int4
 
     def codes(self) -> torch.Tensor:
         """The codes q [N, K] (0..15)."""

@@ -161,18 +161,19 @@ def recipe_generation(file_name: str) -> dict[str, float | int]:
 
     if file_name == EMBEDDED_FILE:
         return dict(EMBEDDED_GENERATION)
-    for recipe in RECIPES.values():
-        if recipe.file == file_name:
-            return dict(recipe.generation)
-    return {}
+    recipe = recipe_of_file(file_name)
+    return dict(recipe.generation) if recipe is not None else {}
 
 
 def recipe_activation_levels(file_name: str) -> int:
     """The activation levels the recipe that installs `file_name` gives; 2 for any other file."""
-    for recipe in RECIPES.values():
-        if recipe.file == file_name:
-            return recipe.activation_levels
-    return 2
+    recipe = recipe_of_file(file_name)
+    return recipe.activation_levels if recipe is not None else 2
+
+
+def recipe_of_file(file_name: str) -> ModelRecipe | None:
+    """The recipe that installs a file (or folder) of this name, if any."""
+    return next((r for r in RECIPES.values() if r.file == file_name), None)
 
 
 def models_dir() -> Path:
